@@ -1,0 +1,170 @@
+"""The shared store: one Redis hash per conversation, every operation one round trip.
+
+Connection faults of any kind become `StoreUnavailableError` at this boundary. Commands are never retried:
+a retried `begin_turn` whose first reply was lost would run the claim twice and lose the handle, and a
+store that is down should cost a turn its reuse, not its latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from . import scripts
+from .base import (
+    DEFAULT_CONVERSATION_TTL_S,
+    DEFAULT_INFLIGHT_TIMEOUT_S,
+    Conversation,
+    ConversationKey,
+    StoreUnavailableError,
+    TurnStart,
+    check_key,
+)
+from .codec import decode_handle, decode_record, encode_handle, encode_record
+
+KEY_LAYOUT = "v1"  # bumped (with a migration) whenever the key or hash layout changes
+KEY_PREFIX = f"pdgw:{KEY_LAYOUT}:conv:"
+DEFAULT_CONNECT_TIMEOUT_S = 0.5
+DEFAULT_OP_TIMEOUT_S = 1.0
+SUPPORTED_SCHEMES = ("redis", "rediss", "unix")
+
+
+def conversation_key(key: ConversationKey) -> str:
+    """`pdgw:v1:conv:{tenant}:{session digest}`: the tenant is validated safe; the session is hashed so any
+    character (':', '{', '*', surrogates) and any length up to the limit give a short, fixed-size key."""
+    check_key(key)
+    digest = hashlib.blake2b(key.session.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+    return f"{KEY_PREFIX}{key.tenant}:{digest}"
+
+
+def client_from_url(
+    url: str,
+    *,
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+    op_timeout_s: float = DEFAULT_OP_TIMEOUT_S,
+) -> aioredis.Redis:
+    """A redis-py asyncio client (hiredis parser when installed, which redis-py picks by default).
+
+    The seam for Sentinel and Cluster: dispatch on their schemes here and return their clients; the store
+    only needs `register_script`, `hmget`, `ping` and `aclose`, and touches one key per operation.
+    """
+    scheme = urlsplit(url).scheme
+    if scheme not in SUPPORTED_SCHEMES:
+        raise ValueError(f"unsupported store URL scheme {scheme!r}; use one of {SUPPORTED_SCHEMES}")
+    return aioredis.from_url(
+        url,
+        socket_connect_timeout=connect_timeout_s,
+        socket_timeout=op_timeout_s,
+        retry=Retry(NoBackoff(), 0),
+        client_name="pd-gateway",
+    )
+
+
+@contextlib.contextmanager
+def _unavailable_on_fault() -> Iterator[None]:
+    try:
+        yield
+    except (RedisError, OSError, asyncio.TimeoutError) as exc:
+        raise StoreUnavailableError(f"redis: {type(exc).__name__}: {exc}") from exc
+
+
+class RedisConversationStore:
+    kind = "redis"
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        conversation_ttl_s: float = DEFAULT_CONVERSATION_TTL_S,
+        *,
+        inflight_timeout_s: float = DEFAULT_INFLIGHT_TIMEOUT_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.client = client
+        self.conversation_ttl_s = conversation_ttl_s
+        self.inflight_timeout_s = inflight_timeout_s
+        self._ttl_ms = max(1, round(conversation_ttl_s * 1000))
+        self._clock = clock  # wall clock, for the handle checks of get and delete
+        # Run by EVALSHA; the source is sent only when the server answers NOSCRIPT (e.g. after a restart).
+        self._begin_turn = client.register_script(scripts.BEGIN_TURN)
+        self._finish_turn = client.register_script(scripts.FINISH_TURN)
+        self._delete = client.register_script(scripts.DELETE)
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        conversation_ttl_s: float = DEFAULT_CONVERSATION_TTL_S,
+        *,
+        inflight_timeout_s: float = DEFAULT_INFLIGHT_TIMEOUT_S,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        op_timeout_s: float = DEFAULT_OP_TIMEOUT_S,
+        clock: Callable[[], float] = time.time,
+    ) -> RedisConversationStore:
+        client = client_from_url(url, connect_timeout_s=connect_timeout_s, op_timeout_s=op_timeout_s)
+        return cls(client, conversation_ttl_s, inflight_timeout_s=inflight_timeout_s, clock=clock)
+
+    async def begin_turn(self, key: ConversationKey, now: float) -> TurnStart:
+        rkey = conversation_key(key)
+        with _unavailable_on_fault():
+            turn, state, record, handle = await self._begin_turn(
+                keys=[rkey], args=[repr(float(now)), repr(float(self.inflight_timeout_s)), self._ttl_ms]
+            )
+        return TurnStart(
+            turn=int(turn),
+            record=decode_record(record) if record is not None else None,
+            handle=decode_handle(handle) if handle is not None else None,
+            handle_state=state.decode() if isinstance(state, bytes) else state,
+        )
+
+    async def finish_turn(
+        self,
+        key: ConversationKey,
+        turn: int,
+        record: Conversation,
+        handle: dict[str, Any] | None,
+        handle_expires_at: float,
+        now: float,
+    ) -> bool:
+        rkey = conversation_key(key)
+        handle_blob = encode_handle(handle) if handle is not None else b""
+        args = [int(turn), encode_record(record), handle_blob, repr(float(handle_expires_at)), self._ttl_ms]
+        with _unavailable_on_fault():
+            return bool(await self._finish_turn(keys=[rkey], args=args))
+
+    async def get(self, key: ConversationKey) -> tuple[Conversation, dict[str, Any] | None, int] | None:
+        rkey = conversation_key(key)
+        with _unavailable_on_fault():
+            record, handle, expires_at, finished = await self.client.hmget(
+                rkey, ["record", "handle", "handle_expires_at", "finished"]
+            )
+        if record is None:
+            return None
+        live = handle is not None and float(expires_at or 0) > self._clock()
+        return decode_record(record), decode_handle(handle) if live else None, int(finished or 0)
+
+    async def delete(self, key: ConversationKey) -> dict[str, Any] | None:
+        rkey = conversation_key(key)
+        with _unavailable_on_fault():
+            handle = await self._delete(keys=[rkey], args=[repr(float(self._clock()))])
+        return decode_handle(handle) if handle is not None else None
+
+    async def ping(self) -> bool:
+        try:
+            with _unavailable_on_fault():
+                return bool(await self.client.ping())
+        except StoreUnavailableError:
+            return False
+
+    async def close(self) -> None:
+        with contextlib.suppress(RedisError, OSError):
+            await self.client.aclose()

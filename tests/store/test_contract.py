@@ -1,0 +1,181 @@
+"""One contract, every store: memory, fakeredis (unit speed) and a real redis-server (integration)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from gateway.store import Conversation, ConversationKey, ConversationStore
+from tests.store.conftest import MakeStore
+
+KEY = ConversationKey("acme", "session-1")
+HANDLE = {
+    "do_remote_decode": True,
+    "remote_block_ids": [[1, 2, 3]],
+    "remote_engine_id": "d0",
+    "remote_host": "10.0.0.7",
+    "remote_port": 5600,
+    "remote_num_tokens": 47,
+    "remote_blocks_expiry_time": 1234.5,
+    "remote_prefill_cached_tokens": None,
+}
+
+
+def record(n: int = 1) -> Conversation:
+    return Conversation(
+        decode_engine="d0", model="m", block_size=16, num_tokens=16 * n, held_tokens=16 * n - 1,
+        block_hashes=bytes(range(16)) * n, output_ids=[7] * n, created_at=1.0, updated_at=float(n),
+    )
+
+
+async def finished_turn(
+    store: ConversationStore, key: ConversationKey, *, handle=HANDLE, ttl_s: float = 60.0, now: float | None = None
+):
+    """Run one whole turn that leaves `handle` (live for `ttl_s` after `now`) behind; returns its TurnStart."""
+    now = time.time() if now is None else now
+    start = await store.begin_turn(key, now)
+    assert await store.finish_turn(key, start.turn, record(start.turn), handle, now + ttl_s, now)
+    return start
+
+
+async def test_new_conversation(store: ConversationStore) -> None:
+    now = time.time()
+    start = await store.begin_turn(KEY, now)
+    assert (start.turn, start.record, start.handle, start.handle_state) == (1, None, None, "none")
+    assert await store.get(KEY) is None  # begun, but nothing recorded yet
+
+    assert await store.finish_turn(KEY, 1, record(1), HANDLE, now + 60, now)
+    assert await store.get(KEY) == (record(1), HANDLE, 1)
+
+    second = await store.begin_turn(KEY, now)
+    assert (second.turn, second.record, second.handle, second.handle_state) == (2, record(1), HANDLE, "claimed")
+    assert await store.get(KEY) == (record(1), None, 1)  # claimed: gone from the store
+
+
+async def test_concurrent_begin_claims_once(store: ConversationStore) -> None:
+    await finished_turn(store, KEY)
+    starts = await asyncio.gather(*(store.begin_turn(KEY, time.time()) for _ in range(2)))
+    assert sorted(s.handle_state for s in starts) == ["claimed", "in_flight"]
+    assert [s.handle for s in starts if s.handle is not None] == [HANDLE]
+    assert sorted(s.turn for s in starts) == [2, 3]
+
+
+async def test_new_conversation_concurrent_begin(store: ConversationStore) -> None:
+    starts = await asyncio.gather(*(store.begin_turn(KEY, time.time()) for _ in range(2)))
+    assert sorted((s.turn, s.handle_state) for s in starts) == [(1, "none"), (2, "in_flight")]
+
+
+async def test_abandoned_turn_stops_counting_as_in_flight(make_store: MakeStore) -> None:
+    store = make_store(inflight_timeout_s=10)
+    now = time.time()
+    await store.begin_turn(KEY, now)
+    assert (await store.begin_turn(KEY, now + 9)).handle_state == "in_flight"
+    assert (await store.begin_turn(KEY, now + 20)).handle_state == "none"
+
+
+async def test_expired_handle(store: ConversationStore) -> None:
+    now = time.time()
+    await finished_turn(store, KEY, ttl_s=5, now=now)
+    assert await store.get(KEY) == (record(1), HANDLE, 1)
+    start = await store.begin_turn(KEY, now + 5)  # expiry is exclusive
+    assert (start.turn, start.record, start.handle, start.handle_state) == (2, record(1), None, "expired")
+    assert await store.finish_turn(KEY, 2, record(2), None, 0.0, now)
+    assert (await store.begin_turn(KEY, now)).handle_state == "none"  # affinity kept, no handle
+
+
+async def test_get_hides_expired_handle(store: ConversationStore) -> None:
+    await finished_turn(store, KEY, ttl_s=-1)
+    assert await store.get(KEY) == (record(1), None, 1)
+    assert (await store.begin_turn(KEY, time.time())).handle_state == "expired"
+
+
+async def test_stale_turn_cannot_overwrite_newer(store: ConversationStore) -> None:
+    now = time.time()
+    await finished_turn(store, KEY)
+    t2 = await store.begin_turn(KEY, now)
+    t3 = await store.begin_turn(KEY, now)
+    assert (t2.handle_state, t3.handle_state) == ("claimed", "in_flight")
+    assert not await store.finish_turn(KEY, t2.turn, record(2), {"stale": True}, now + 60, now)
+    assert await store.get(KEY) == (record(1), None, 1)
+
+    assert await store.finish_turn(KEY, t3.turn, record(3), HANDLE, now + 60, now)
+    assert not await store.finish_turn(KEY, t2.turn, record(2), {"stale": True}, now + 60, now)
+    assert not await store.finish_turn(KEY, t3.turn, record(9), {"twice": True}, now + 60, now)
+    assert await store.get(KEY) == (record(3), HANDLE, 3)
+
+
+async def test_finish_without_begin_is_refused(store: ConversationStore) -> None:
+    now = time.time()
+    assert not await store.finish_turn(KEY, 1, record(1), HANDLE, now + 60, now)
+    assert await store.get(KEY) is None
+
+
+async def test_finish_without_handle_keeps_affinity(store: ConversationStore) -> None:
+    await finished_turn(store, KEY, handle=None)
+    assert await store.get(KEY) == (record(1), None, 1)
+    start = await store.begin_turn(KEY, time.time())
+    assert (start.record, start.handle, start.handle_state) == (record(1), None, "none")
+
+
+async def test_delete_returns_live_handle(store: ConversationStore) -> None:
+    await finished_turn(store, KEY)
+    assert await store.delete(KEY) == HANDLE
+    assert await store.get(KEY) is None
+    assert await store.delete(KEY) is None
+    start = await store.begin_turn(KEY, time.time())
+    assert (start.turn, start.record, start.handle_state) == (1, None, "none")
+
+
+async def test_delete_drops_expired_handle_silently(store: ConversationStore) -> None:
+    await finished_turn(store, KEY, ttl_s=-1)
+    assert await store.delete(KEY) is None
+    assert await store.get(KEY) is None
+
+
+async def test_tenants_are_isolated(store: ConversationStore) -> None:
+    a, b = ConversationKey("a", "same"), ConversationKey("b", "same")
+    await finished_turn(store, a)
+    assert await store.get(b) is None
+    start = await store.begin_turn(b, time.time())
+    assert (start.turn, start.record, start.handle_state) == (1, None, "none")
+    assert await store.delete(b) is None
+    assert await store.get(a) == (record(1), HANDLE, 1)
+
+
+@pytest.mark.parametrize("session", [
+    "", "a:b", "a:c", "b", "conv:{x}:*", "naïve 会话 🙂", "\ud800 lone surrogate", "x" * 256, "a b\r\n\x00",
+])
+async def test_odd_session_ids(store: ConversationStore, session: str) -> None:
+    key = ConversationKey("t-1.x_Y", session)
+    await finished_turn(store, key)
+    assert await store.get(key) == (record(1), HANDLE, 1)
+    assert await store.get(ConversationKey("t-1.x_Y", session[:-1] + "?")) is None
+
+
+@pytest.mark.parametrize("key", [
+    ConversationKey("", "s"), ConversationKey("a:b", "s"), ConversationKey("x" * 65, "s"),
+    ConversationKey("ok", "x" * 257), ConversationKey("tenant{1}", "s"),
+])
+async def test_invalid_keys_are_refused(store: ConversationStore, key: ConversationKey) -> None:
+    with pytest.raises(ValueError):
+        await store.begin_turn(key, time.time())
+    with pytest.raises(ValueError):
+        await store.get(key)
+
+
+async def test_conversation_expires_after_last_write(make_store: MakeStore) -> None:
+    store = make_store(conversation_ttl_s=0.3)
+    await finished_turn(store, KEY)
+    written = time.monotonic()
+    while await store.get(KEY) is not None:
+        assert time.monotonic() - written < 3, "conversation outlived its TTL"
+        await asyncio.sleep(0.02)
+    assert time.monotonic() - written > 0.2
+    assert (await store.begin_turn(KEY, time.time())).turn == 1
+
+
+async def test_ping(store: ConversationStore) -> None:
+    assert await store.ping() is True
+    assert store.kind in ("memory", "redis")
