@@ -1,0 +1,129 @@
+"""What only the Redis store has: URLs, faults, restarts, round trips, key layout, state size."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import redis
+from redis.asyncio.connection import Connection
+
+from gateway.store import Conversation, ConversationKey, RedisConversationStore, StoreUnavailableError
+from gateway.store.redis_store import client_from_url, conversation_key
+from tests.redis_server import RedisServer
+
+KEY = ConversationKey("acme", "s:1")
+HANDLE = {"remote_engine_id": "d0", "remote_block_ids": [[1, 2]], "remote_num_tokens": 31}
+
+integration = pytest.mark.integration
+
+
+async def one_turn(store: RedisConversationStore, key: ConversationKey = KEY) -> int:
+    now = time.time()
+    start = await store.begin_turn(key, now)
+    assert await store.finish_turn(key, start.turn, Conversation(model="m"), HANDLE, now + 60, now)
+    return start.turn
+
+
+async def assert_unavailable(store: RedisConversationStore, *, within_s: float) -> None:
+    now = time.time()
+    ops = [
+        store.begin_turn(KEY, now),
+        store.finish_turn(KEY, 2, Conversation(), None, 0.0, now),
+        store.get(KEY),
+        store.delete(KEY),
+    ]
+    for op in ops:
+        began = time.monotonic()
+        with pytest.raises(StoreUnavailableError):
+            await op
+        assert time.monotonic() - began < within_s
+    assert await store.ping() is False
+
+
+def test_key_layout() -> None:
+    rkey = conversation_key(ConversationKey("acme", "a:b{c}*"))
+    assert rkey.startswith("pdgw:v1:conv:acme:") and len(rkey) == len("pdgw:v1:conv:acme:") + 32
+    assert rkey != conversation_key(ConversationKey("acme", "a:b{c}"))
+
+
+def test_url_schemes() -> None:
+    assert client_from_url("rediss://127.0.0.1:1/0").connection_pool.connection_class.__name__ == "SSLConnection"
+    unix = client_from_url("unix:///tmp/x.sock").connection_pool.connection_class.__name__
+    assert unix == "UnixDomainSocketConnection"
+    with pytest.raises(ValueError, match="scheme"):
+        client_from_url("redis+sentinel://127.0.0.1:26379/mymaster")
+
+
+async def test_closed_port_is_unavailable() -> None:
+    with socket.socket() as sock:  # bound, not listening: connections are refused
+        sock.bind(("127.0.0.1", 0))
+        store = RedisConversationStore.from_url(f"redis://127.0.0.1:{sock.getsockname()[1]}/0")
+        await assert_unavailable(store, within_s=1.0)
+        await store.close()
+
+
+async def test_silent_server_times_out() -> None:
+    with socket.socket() as sock:  # listening, never answering: connect succeeds, reads time out
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(16)
+        store = RedisConversationStore.from_url(f"redis://127.0.0.1:{sock.getsockname()[1]}/0", op_timeout_s=0.1)
+        await assert_unavailable(store, within_s=1.0)
+        await store.close()
+
+
+@integration
+async def test_stopped_then_restarted_server() -> None:
+    with RedisServer() as server:
+        store = RedisConversationStore.from_url(server.url)
+        assert await one_turn(store) == 1
+        server.stop()
+        await assert_unavailable(store, within_s=1.5)
+        server.start()  # same port, empty, no cached scripts: the store reconnects and reloads them
+        assert await one_turn(store) == 1
+        assert await store.get(KEY) == (Conversation(model="m"), HANDLE, 1)
+        await store.close()
+
+
+@integration
+async def test_unix_socket(redis_server: RedisServer) -> None:
+    store = RedisConversationStore.from_url(redis_server.unix_url)
+    assert await store.ping()
+    assert await one_turn(store, ConversationKey("unix", "s")) == 1
+    await store.close()
+
+
+@integration
+async def test_each_operation_is_one_round_trip(clean_redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[bytes] = []
+    original = Connection.send_packed_command
+
+    async def counting(self, command, *args, **kwargs):
+        sent.append(b"".join(command) if isinstance(command, list) else command)
+        return await original(self, command, *args, **kwargs)
+
+    store = RedisConversationStore.from_url(clean_redis_url)
+    await one_turn(store)  # connects and loads the scripts (delete's too, below)
+    await store.delete(ConversationKey("other", "s"))
+    monkeypatch.setattr(Connection, "send_packed_command", counting)
+    now = time.time()
+    for op, command in [
+        (store.begin_turn(KEY, now), b"EVALSHA"),
+        (store.finish_turn(KEY, 2, Conversation(), HANDLE, now + 9, now), b"EVALSHA"),
+        (store.get(KEY), b"HMGET"),
+        (store.delete(KEY), b"EVALSHA"),
+    ]:
+        sent.clear()
+        await op
+        assert len(sent) == 1 and command in sent[0], sent
+    await store.close()
+
+
+@integration
+async def test_ttl_is_set_on_every_write(clean_redis_url: str) -> None:
+    store = RedisConversationStore.from_url(clean_redis_url, conversation_ttl_s=1000)
+    await one_turn(store)
+    with redis.Redis.from_url(clean_redis_url) as admin:
+        assert 990_000 < admin.pttl(conversation_key(KEY)) <= 1_000_000
+    await store.close()
