@@ -1,0 +1,152 @@
+"""`create_sim_app(settings)`: the simulated engine's HTTP surface, vLLM's routes plus the `/sim/*` ones.
+
+`/sim/kv/*` stand in for NIXL between sims (see `transfer.py`); `/sim/stats` and `/sim/reset` serve tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+import msgspec
+from litestar import Litestar, MediaType, Request, Response, get, post
+from litestar.response import Stream
+
+from gateway.sim import wire
+from gateway.sim.engine import Engine
+from gateway.sim.metrics import render_metrics
+from gateway.sim.render import Renderer
+from gateway.sim.serving import Serving, SimRequestError
+from gateway.sim.settings import SimSettings
+from gateway.sim.transfer import KVHeartbeatRequest, KVNotifyRequest, KVReadRequest
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+def _json(payload: Any, status: int = 200) -> Response:
+    return Response(content=msgspec.json.encode(payload), status_code=status, media_type=MediaType.JSON)
+
+
+def _error(_: Request, exc: Exception) -> Response:
+    if isinstance(exc, SimRequestError):
+        return _json(wire.error_body(exc.message, exc.status), exc.status)
+    status = getattr(exc, "status_code", 500)
+    message = getattr(exc, "detail", None) or "Internal server error"
+    return _json(wire.error_body(str(message) if status < 500 else "Internal server error", status), status)
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_sim_app(settings: SimSettings) -> Litestar:
+    renderer = Renderer(settings.tokenizer, settings.chat_template)
+    engine = Engine(settings, renderer)
+    serving = Serving(settings, renderer, engine)
+
+    @asynccontextmanager
+    async def lifespan(_: Litestar) -> AsyncIterator[None]:
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.close()
+
+    async def _run(call_of: Any, request: Request) -> Response | Stream:
+        call = call_of(await request.body(), request.headers.get("x-request-id"))
+        if engine.parks(call.engine_req.kv_params):
+            engine.waiting += 1  # parked for a transfer that is never scheduled
+            try:
+                await _until_disconnect(request)
+            finally:
+                engine.waiting -= 1
+            return Response(content=b"", status_code=499)
+        if call.body.stream:
+            return Stream(serving.stream(call), media_type="text/event-stream")
+        return _json(await serving.respond(call))
+
+    @post("/v1/chat/completions")
+    async def chat(request: Request) -> Response | Stream:
+        return await _run(serving.chat_call, request)
+
+    @post("/v1/completions")
+    async def completions(request: Request) -> Response | Stream:
+        return await _run(serving.completion_call, request)
+
+    @post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        body = msgspec.json.decode(await request.body(), type=wire.TokenizeRequest)
+        if body.messages is not None:
+            ids = renderer.render_chat(body.messages, add_generation_prompt=body.add_generation_prompt,
+                                       tools=body.tools, template_kwargs=body.chat_template_kwargs)
+        else:
+            ids = renderer.render_prompt(body.prompt or "")
+        strs = renderer.token_strs(ids) if body.return_token_strs else None
+        return _json({"count": len(ids), "max_model_len": settings.max_model_len, "tokens": ids,
+                      "token_strs": strs})
+
+    @get("/v1/models")
+    async def models() -> Response:
+        card = {"id": settings.model, "object": "model", "created": int(time.time()), "owned_by": "vllm",
+                "root": settings.tokenizer, "parent": None, "max_model_len": settings.max_model_len,
+                "permission": []}
+        return _json({"object": "list", "data": [card]})
+
+    @get("/health")
+    async def health() -> Response:
+        return Response(content=b"", status_code=200)
+
+    @get("/version")
+    async def version() -> Response:
+        return _json({"version": settings.version})
+
+    @get("/metrics")
+    async def metrics() -> Response:
+        return Response(content=render_metrics(engine), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @get("/sim/stats")
+    async def stats() -> Response:
+        engine.handles.expire()
+        return _json({"engine_id": settings.engine_id, "role": settings.role, "block_size": settings.block_size,
+                      **msgspec.structs.asdict(engine.stats), "handles_pinned": engine.handles.count("pin"),
+                      "handles_leased_now": engine.handles.count("lease"), "blocks_in_use": engine.pool.in_use,
+                      "blocks_cached": len(engine.pool.cached), "running": engine.running,
+                      "waiting": engine.waiting})
+
+    @post("/sim/reset")
+    async def reset() -> Response:
+        engine.reset()
+        return _json({"ok": True})
+
+    @post("/sim/kv/read")
+    async def kv_read(request: Request) -> Response:
+        body = msgspec.json.decode(await request.body(), type=KVReadRequest)
+        if body.engine_id != settings.engine_id or body.block_size != settings.block_size:
+            return _json(wire.error_body("handshake refused: engine id or block size mismatch", 400), 409)
+        if any(not 0 <= i < settings.num_blocks for i in body.block_ids):
+            return _json(wire.error_body("block id out of range", 400), 400)
+        blocks = [list(engine.pool.blocks[i].slots) for i in body.block_ids]  # copied before they are freed
+        claim = engine.handles.claim(body.request_id)
+        return _json({"blocks": blocks, "claim": claim})
+
+    @post("/sim/kv/notify")
+    async def kv_notify(request: Request) -> Response:
+        body = msgspec.json.decode(await request.body(), type=KVNotifyRequest)
+        if body.engine_id != settings.engine_id:
+            return _json(wire.error_body("engine id mismatch", 400), 409)
+        return _json({"claim": engine.handles.claim(body.request_id)})
+
+    @post("/sim/kv/heartbeat")
+    async def kv_heartbeat(request: Request) -> Response:
+        body = msgspec.json.decode(await request.body(), type=KVHeartbeatRequest)
+        engine.stats.heartbeats_received += 1
+        return _json({"extended": engine.handles.heartbeat(body.request_id, settings.kv_lease_duration)})
+
+    return Litestar(
+        route_handlers=[chat, completions, tokenize, models, health, version, metrics, stats, reset,
+                        kv_read, kv_notify, kv_heartbeat],
+        lifespan=[lifespan], exception_handlers={Exception: _error}, request_max_body_size=MAX_BODY_BYTES,
+        openapi_config=None)

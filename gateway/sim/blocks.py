@@ -1,0 +1,112 @@
+"""The KV block pool and its prefix cache.
+
+Every block records what its KV *really* encodes, slot by slot, as `(token id, position)`: that is the
+oracle's ground truth. Blocks are found in the prefix cache by a chained hash of the *request's* token ids
+(plus cache salt), exactly like vLLM, so a block filled with wrong KV is cached, and reused, as if right.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+Slot = tuple[int, int]  # (token id, position) whose KV a slot holds
+GARBAGE: Slot = (-1, -1)  # uninitialised memory: what a read past a block's filled slots gets
+
+
+@dataclass
+class Block:
+    id: int
+    slots: list[Slot] = field(default_factory=list)
+    hash: bytes | None = None
+    refs: int = 0
+
+
+def block_hashes(tokens: list[int], block_size: int, salt: str | None = None) -> list[bytes]:
+    """Chained hashes of the full blocks of `tokens`; the salt seeds the chain (vLLM: first block's extra keys)."""
+    parent = hashlib.sha256(f"salt:{salt or ''}".encode()).digest()
+    hashes = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        chunk = ",".join(map(str, tokens[start:start + block_size])).encode()
+        parent = hashlib.sha256(parent + chunk).digest()
+        hashes.append(parent)
+    return hashes
+
+
+class PoolExhaustedError(Exception):
+    """Not enough free blocks for a request."""
+
+
+class BlockPool:
+    """Fixed set of blocks; free blocks stay in the prefix cache until reused, evicted least recent first."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, caching: bool = True) -> None:
+        self.block_size = block_size
+        self.caching = caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[bytes, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def in_use(self) -> int:
+        return len(self.blocks) - len(self.free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise PoolExhaustedError(f"need {n} blocks, {len(self.free)} free")
+        ids = []
+        for _ in range(n):
+            block_id, _ = self.free.popitem(last=False)
+            block = self.blocks[block_id]
+            self._uncache(block)
+            block.slots, block.refs = [], 1
+            ids.append(block_id)
+        return ids
+
+    def match_prefix(self, hashes: list[bytes]) -> list[int]:
+        """Ids of the longest cached run of `hashes`, from the start."""
+        if not self.caching:
+            return []
+        hits = []
+        for h in hashes:
+            block_id = self.cached.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def touch(self, ids: list[int]) -> None:
+        for block_id in ids:
+            self.blocks[block_id].refs += 1
+            self.free.pop(block_id, None)
+
+    def release(self, ids: list[int]) -> None:
+        # Reversed, as vLLM: a request's tail blocks are evicted before its head blocks.
+        for block_id in reversed(ids):
+            block = self.blocks[block_id]
+            block.refs -= 1
+            if block.refs == 0:
+                self.free[block_id] = None
+
+    def commit(self, block_id: int, h: bytes) -> None:
+        """Register a full block in the prefix cache; the first block cached under a hash keeps it."""
+        if self.caching and h not in self.cached:
+            block = self.blocks[block_id]
+            self._uncache(block)
+            block.hash = h
+            self.cached[h] = block_id
+
+    def reset_cache(self) -> None:
+        for block in self.blocks:
+            block.hash = None
+        self.cached.clear()
+
+    def _uncache(self, block: Block) -> None:
+        if block.hash is not None and self.cached.get(block.hash) == block.id:
+            del self.cached[block.hash]
+        block.hash = None

@@ -1,0 +1,98 @@
+"""`pd-gateway sim`: one simulated vLLM engine (P, D or co-located) on a socket it binds itself."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import uuid
+from pathlib import Path
+
+import uvicorn
+
+from gateway.sim.app import create_sim_app
+from gateway.sim.settings import (DEFAULT_BLOCK_SIZE, DEFAULT_LEASE_S, DEFAULT_MAX_MODEL_LEN, DEFAULT_NUM_BLOCKS,
+                                  DEFAULT_PIN_TTL_S, DEFAULT_VERSION, SimSettings)
+
+ROLES = {"prefill": "prefill", "decode": "decode", "colocated": "colocated",
+         "kv_producer": "prefill", "kv_consumer": "decode"}
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    low, high = int(lo), int(hi or lo)
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError("expected MIN:MAX with 1 <= MIN <= MAX")
+    return low, high
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pd-gateway sim", description="A simulated vLLM engine with an oracle.")
+    a = p.add_argument
+    a("--role", choices=sorted(ROLES), default="colocated")
+    a("--host", default="127.0.0.1")
+    a("--port", type=int, default=0)
+    a("--port-file", type=Path, help="write the bound port here once listening")
+    a("--engine-id", default=None)
+    a("--model", default="demo", help="served model name")
+    a("--tokenizer", default="builtin:demo", help="builtin:NAME, a local path or a Hugging Face id")
+    a("--chat-template", default=None)
+    a("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    a("--num-blocks", type=int, default=DEFAULT_NUM_BLOCKS)
+    a("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
+    a("--no-bidirectional", action="store_true")
+    a("--kv-lease-duration", type=float, default=DEFAULT_LEASE_S)
+    a("--decoder-kv-blocks-ttl", type=float, default=DEFAULT_PIN_TTL_S)
+    a("--kv-recompute-threshold", type=int, default=None, help="default 64 when bidirectional, else 0")
+    a("--kv-load-failure-policy", choices=["recompute", "fail"], default="fail")
+    a("--no-prefix-caching", action="store_true")
+    a("--stream-kv-params", action="store_true", help="put the handle in the final SSE chunk (patched vLLM)")
+    a("--non-canonical", action="store_true", help="emit some words as token splits that re-encode differently")
+    a("--reasoning", action="store_true", help="answers open with <think>…</think>, parsed out as reasoning")
+    a("--no-prompt-token-ids", action="store_true", help="ignore kv_transfer_params.prompt_token_ids (< 0.32)")
+    a("--prefill-ms-per-token", type=float, default=0.0)
+    a("--decode-ms-per-token", type=float, default=0.0)
+    a("--transfer-ms-per-block", type=float, default=0.0)
+    a("--max-num-seqs", type=int, default=256)
+    a("--output-tokens", type=_range, default=(8, 40), help="natural answer length MIN:MAX tokens")
+    a("--version", default=DEFAULT_VERSION, help="version string reported at /version")
+    a("--log-level", default="warning")
+    return p
+
+
+def settings_from(args: argparse.Namespace, port: int) -> SimSettings:
+    return SimSettings(
+        role=ROLES[args.role], host=args.host, port=port, engine_id=args.engine_id or str(uuid.uuid4()),
+        model=args.model, tokenizer=args.tokenizer, chat_template=args.chat_template, block_size=args.block_size,
+        num_blocks=args.num_blocks, max_model_len=args.max_model_len, bidirectional=not args.no_bidirectional,
+        kv_lease_duration=args.kv_lease_duration, decoder_kv_blocks_ttl=args.decoder_kv_blocks_ttl,
+        kv_recompute_threshold=args.kv_recompute_threshold, kv_load_failure_policy=args.kv_load_failure_policy,
+        prefix_caching=not args.no_prefix_caching, stream_kv_params=args.stream_kv_params,
+        canonical=not args.non_canonical, reasoning=args.reasoning,
+        honour_prompt_token_ids=not args.no_prompt_token_ids, prefill_ms_per_token=args.prefill_ms_per_token,
+        decode_ms_per_token=args.decode_ms_per_token, transfer_ms_per_block=args.transfer_ms_per_block,
+        max_num_seqs=args.max_num_seqs, output_tokens=args.output_tokens, version=args.version)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    # Bind first: the handles advertise the real port, and tests read it back from --port-file.
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    settings = settings_from(args, sock.getsockname()[1])
+    app = create_sim_app(settings)
+    config = uvicorn.Config(app, log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    asyncio.run(_serve(server, sock, args.port_file, settings.port))
+
+
+async def _serve(server: uvicorn.Server, sock: socket.socket, port_file: Path | None, port: int) -> None:
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.01)
+    if port_file is not None and server.started:
+        port_file.write_text(str(port))
+    await serving
+
+

@@ -1,0 +1,295 @@
+"""One simulated vLLM engine: queueing, prefix cache, KV loads from a holder, decode, and the end of a request.
+
+A request's life: `admit` (queue for a running slot, then prefill: local cache hit, KV read from the
+holder named in `kv_transfer_params`, local compute of the rest, oracle check), `decode` (the answer's
+tokens, timed), then exactly one of `finish` (lease or pin the blocks and return a handle) or `abort`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from gateway.sim.blocks import GARBAGE, BlockPool, Slot, block_hashes
+from gateway.sim.generate import Answer, Model, context_digest
+from gateway.sim.handles import HandleTable
+from gateway.sim.kvload import KVSource, load_plan, parks
+from gateway.sim.render import Renderer
+from gateway.sim.settings import SimSettings
+from gateway.sim.stats import SimStats
+from gateway.sim.transfer import KVClient, TransferError
+
+EXPIRY_TICK_S = 0.2
+
+
+class KVLoadError(Exception):
+    """A KV load failed (or was declined) under `kv_load_failure_policy: fail`."""
+
+
+@dataclass
+class EngineRequest:
+    request_id: str  # internal id: what handles carry
+    prompt: list[int]
+    max_tokens: int
+    kv_params: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    seed: int | None = None
+    stop: list[str] | None = None
+
+
+@dataclass
+class Running:
+    req: EngineRequest
+    table: list[int]  # block ids, in position order
+    num_hits: int  # leading blocks that came from the local prefix cache
+    answer: Answer
+    done: bool = field(default=False)
+
+
+class Engine:
+    def __init__(self, settings: SimSettings, renderer: Renderer) -> None:
+        self.settings = settings
+        self.bs = settings.block_size
+        self.stats = SimStats()
+        self.pool = BlockPool(settings.num_blocks, settings.block_size, caching=settings.prefix_caching)
+        self.handles = HandleTable(self.pool, self.stats)
+        self.model = Model(renderer, output_tokens=settings.output_tokens, canonical=settings.canonical,
+                           reasoning=settings.reasoning)
+        self.kv = KVClient(settings.engine_id, settings.block_size)
+        self.running = 0
+        self.waiting = 0
+        self._seats = asyncio.Semaphore(settings.max_num_seqs)
+        self._ticker: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        await self.kv.start()
+        self._ticker = asyncio.create_task(self._expire_forever())
+
+    async def close(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+        await self.kv.close()
+
+    def reset(self) -> None:
+        self.handles.clear()
+        self.pool.reset_cache()
+        self.stats = self.handles.stats = SimStats()
+
+    # -- the request's life ---------------------------------------------------------------------------
+    def source(self, params: dict[str, Any] | None) -> KVSource | None:
+        return KVSource.from_params(params, self.settings)
+
+    def parks(self, params: dict[str, Any] | None) -> bool:
+        return parks(params, self.settings)
+
+    async def admit(self, req: EngineRequest) -> Running:
+        self.stats.requests_total += 1
+        source = self.source(req.kv_params)
+        beats = None
+        if source is not None and source.heartbeat:
+            self._spawn(self._heartbeat(source))  # on arrival, then while queued
+            beats = asyncio.create_task(self._heartbeats(source))
+        self.waiting += 1
+        try:
+            await self._seats.acquire()
+        except asyncio.CancelledError:
+            if source is not None:  # dropped before reading: tell the holder to free its blocks
+                self._spawn(self._notify(source))
+            raise
+        finally:
+            self.waiting -= 1
+            if beats is not None:
+                beats.cancel()
+        self.running += 1
+        try:
+            return await self._prefill(req, source)
+        except BaseException:
+            self._leave(failed=True)
+            raise
+
+    async def decode(self, run: Running) -> AsyncIterator[int]:
+        for token in run.answer.token_ids:
+            if self.settings.decode_ms_per_token:
+                await asyncio.sleep(self.settings.decode_ms_per_token / 1000)
+            self.stats.generation_tokens += 1
+            yield token
+
+    def finish(self, run: Running) -> dict[str, Any] | None:
+        """A normal end (stop or length): cache the blocks, then lease (P) or pin (D) them behind a handle."""
+        run.done = True
+        self._leave()
+        params, prompt = run.req.kv_params, run.req.prompt
+        kv_len = len(prompt) + len(run.answer.token_ids) - 1  # the last sampled token has no KV
+        if not self._extend(run, kv_len):
+            self.pool.release(run.table)
+            return None
+        if self.settings.role == "prefill" and params and params.get("do_remote_decode"):
+            return self._hold(run, len(prompt), self.settings.kv_lease_duration, "lease")
+        if self.settings.role == "decode" and self.settings.bidirectional and params is not None:
+            return self._hold(run, kv_len, self.settings.decoder_kv_blocks_ttl, "pin")
+        self.pool.release(run.table)
+        return None
+
+    def abort(self, run: Running, *, failed: bool = False) -> None:
+        """Client gone or request failed: free everything at once, no handle."""
+        if run.done:
+            return
+        run.done = True
+        self._leave(failed=failed, aborted=not failed)
+        self.pool.release(run.table)
+
+    # -- prefill ----------------------------------------------------------------------------------------
+    async def _prefill(self, req: EngineRequest, source: KVSource | None) -> Running:
+        prompt, bs = req.prompt, self.bs
+        hashes = block_hashes(prompt, bs, req.cache_salt)
+        hits = self.pool.match_prefix(hashes)[: (len(prompt) - 1) // bs]  # the last token is always computed
+        self.pool.touch(hits)
+        try:
+            fresh = self.pool.allocate(-(-len(prompt) // bs) - len(hits))
+        except Exception:
+            self.pool.release(hits)
+            raise
+        table, cached = hits + fresh, len(hits) * bs
+        try:
+            loaded = await self._load(req, source, cached)
+        except BaseException:
+            self.pool.release(table)
+            raise
+        for p in range(cached, len(prompt)):
+            self.pool.blocks[table[p // bs]].slots.append(loaded.get(p, (prompt[p], p)))
+        for i in range(len(hits), len(hashes)):
+            self.pool.commit(table[i], hashes[i])
+        computed = len(prompt) - cached - len(loaded)
+        self.stats.prompt_tokens_cached += cached
+        self.stats.prompt_tokens_loaded += len(loaded)
+        self.stats.prompt_tokens_computed += computed
+        if self.settings.prefill_ms_per_token and computed:
+            await asyncio.sleep(computed * self.settings.prefill_ms_per_token / 1000)
+        slots = self._check(prompt, table)
+        answer = self.model.answer(context_digest(slots), seed=req.seed, max_tokens=req.max_tokens,
+                                   min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop=req.stop)
+        return Running(req, table, len(hits), answer)
+
+    async def _load(self, req: EngineRequest, source: KVSource | None, cached: int) -> dict[int, Slot]:
+        """KV for prompt positions read from the holder, by position; empty when nothing is read."""
+        if source is None:
+            return {}
+        plan = load_plan(source, len(req.prompt), cached, self.bs, self.settings.recompute_threshold)
+        if plan.declined:
+            self.stats.kv_reads_declined += 1
+            return self._load_failed(f"handle {source.holder.request_id} expires within the margin")
+        if not plan.block_ids:
+            self.stats.kv_reads_skipped += 1
+            await self._notify(source)
+            return {}
+        try:
+            blocks = await self.kv.read(source.holder, plan.block_ids)
+        except TransferError as exc:
+            self.stats.kv_load_failures += 1
+            return self._load_failed(str(exc))
+        self.stats.kv_reads_total += 1
+        self.stats.kv_blocks_read += len(blocks)
+        if self.settings.transfer_ms_per_block:
+            await asyncio.sleep(len(blocks) * self.settings.transfer_ms_per_block / 1000)
+        blocks = [[]] * plan.missing + blocks  # a handle shorter than needed: the head reads garbage
+        out = {}
+        for p in range(cached, plan.end):
+            block = blocks[p // self.bs - plan.first_block]
+            j = p % self.bs
+            out[p] = block[j] if j < len(block) else GARBAGE
+        return out
+
+    def _load_failed(self, why: str) -> dict[int, Slot]:
+        if self.settings.kv_load_failure_policy == "fail":
+            raise KVLoadError(why)
+        return {}  # recompute: the whole uncached prompt is prefilled locally
+
+    def _check(self, prompt: list[int], table: list[int]) -> list[Slot]:
+        """The oracle: every slot used must hold this prompt's token at its position. Returns the slots."""
+        slots, bad = [], 0
+        for b, block_id in enumerate(table):
+            want = [(prompt[p], p) for p in range(b * self.bs, min((b + 1) * self.bs, len(prompt)))]
+            got = self.pool.blocks[block_id].slots[: len(want)]
+            bad += got != want
+            slots += got
+        self.stats.kv_reads_corrupt += bad
+        self.stats.requests_corrupt += bad > 0
+        return slots
+
+    # -- the end ----------------------------------------------------------------------------------------
+    def _extend(self, run: Running, kv_len: int) -> bool:
+        """Write the output tokens' KV after the prompt's and cache the full blocks, as vLLM caches decode."""
+        seq = run.req.prompt + run.answer.token_ids
+        need = -(-kv_len // self.bs) - len(run.table)
+        if need > 0:
+            if need > self.pool.num_free:
+                return False
+            run.table += self.pool.allocate(need)
+        for p in range(len(run.req.prompt), kv_len):
+            self.pool.blocks[run.table[p // self.bs]].slots.append((seq[p], p))
+        hashes = block_hashes(seq[:kv_len], self.bs, run.req.cache_salt)
+        for i in range(run.num_hits, len(hashes)):
+            self.pool.commit(run.table[i], hashes[i])
+        return True
+
+    def _hold(self, run: Running, num_tokens: int, ttl: float, kind: str) -> dict[str, Any]:
+        n = -(-num_tokens // self.bs)
+        held, rest = run.table[:n], run.table[n:]
+        self.pool.release(rest)
+        rid = run.req.request_id
+        expires_at = self.handles.hold(rid, held, ttl, kind)  # type: ignore[arg-type]
+        s = self.settings
+        common = {"remote_block_ids": [held], "remote_engine_id": s.engine_id, "remote_request_id": rid,
+                  "remote_host": s.host, "remote_port": s.port, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
+                  "remote_num_tokens": num_tokens}
+        if kind == "lease":
+            self.stats.handles_leased += 1
+            return {"do_remote_prefill": True, "do_remote_decode": False, **common,
+                    "remote_prefill_cached_tokens": run.num_hits * self.bs, "transfer_mode": "pull"}
+        self.stats.handles_pinned_total += 1
+        return {"do_remote_decode": True, "do_remote_prefill": False, **common,
+                "remote_blocks_expiry_time": expires_at, "transfer_mode": "pull"}
+
+    def _leave(self, *, failed: bool = False, aborted: bool = False) -> None:
+        self.running -= 1
+        self._seats.release()
+        self.stats.requests_failed += failed
+        self.stats.requests_aborted += aborted
+
+    # -- talking to holders -----------------------------------------------------------------------------
+    async def _notify(self, source: KVSource) -> None:
+        try:
+            await self.kv.notify(source.holder)
+            self.stats.notifications_sent += 1
+        except TransferError:
+            pass  # the holder's lease or pin will run out instead
+
+    async def _heartbeat(self, source: KVSource) -> None:
+        with contextlib.suppress(TransferError):
+            await self.kv.heartbeat(source.holder)
+            self.stats.heartbeats_sent += 1
+
+    async def _heartbeats(self, source: KVSource) -> None:
+        """While queued, keep P's lease alive."""
+        period = max(0.2, self.settings.kv_lease_duration / 3)
+        while True:
+            await asyncio.sleep(period)
+            await self._heartbeat(source)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)  # keep a reference until done
+        task.add_done_callback(self._tasks.discard)
+
+    async def _expire_forever(self) -> None:
+        while True:
+            await asyncio.sleep(EXPIRY_TICK_S)
+            self.handles.expire()

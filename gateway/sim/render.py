@@ -1,0 +1,67 @@
+"""Prompt rendering and detokenization, done on the simulator's own (as vLLM does, through transformers).
+
+The simulator never uses the gateway's renderer: it is the independent side of every parity check.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_DIR = Path(__file__).resolve().parent.parent / "tokenizers"
+
+
+def tokenizer_source(spec: str) -> str:
+    """`builtin:NAME` → the shipped tokenizer dir; anything else is a local path or a HF id."""
+    if spec.startswith(BUILTIN_PREFIX):
+        path = BUILTIN_DIR / spec[len(BUILTIN_PREFIX):]
+        if not path.is_dir():
+            raise ValueError(f"no builtin tokenizer {spec!r} in {BUILTIN_DIR}")
+        return str(path)
+    return spec
+
+
+class Renderer:
+    """Messages or prompts → token ids, and ids → text, exactly as a vLLM frontend would."""
+
+    def __init__(self, tokenizer: str, chat_template: str | None = None) -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(tokenizer))
+        self.chat_template = Path(chat_template).read_text() if chat_template else None
+        self.eos_token_id: int = self.tokenizer.eos_token_id
+
+    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                    tools: list[Any] | None = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            [_flatten(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt,
+            tools=tools, chat_template=self.chat_template, **(template_kwargs or {}))
+        return self.encode(text)
+
+    def render_prompt(self, prompt: str) -> list[int]:
+        # /v1/completions: the tokenizer's own default for special tokens (BOS where it has one).
+        return list(self.tokenizer.encode(prompt))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        return self.tokenizer.convert_ids_to_tokens(ids)
+
+    def __len__(self) -> int:
+        return len(self.tokenizer)
+
+
+def _flatten(message: dict[str, Any]) -> dict[str, Any]:
+    """A list of content parts becomes one string: text parts joined with newlines (vLLM's "string" format)."""
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type", "text") == "text"]
+        message = {**message, "content": "\n".join(texts)}
+    elif content is None and "content" in message:
+        message = {**message, "content": ""}
+    return message

@@ -1,0 +1,258 @@
+"""Chat and completions requests, from JSON body to engine request to vLLM-shaped JSON or SSE.
+
+Mirrors vLLM's `serving_chat` / `serving_completion`: render (or take `kv_transfer_params.prompt_token_ids`),
+validate lengths, run the engine request, detokenize, split reasoning, and frame the stream.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import msgspec
+
+from gateway.sim import wire
+from gateway.sim.engine import Engine, EngineRequest, KVLoadError, Running
+from gateway.sim.generate import THINK_CLOSE, THINK_OPEN
+from gateway.sim.render import Renderer
+from gateway.sim.settings import SimSettings
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM's /v1/completions default
+
+
+class SimRequestError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class Call:
+    """One validated request: what the engine runs and how the answer is shaped."""
+
+    kind: str  # "chat" | "completion"
+    external_id: str
+    body: wire.SamplingFields
+    engine_req: EngineRequest
+
+    @property
+    def wants_ids(self) -> bool:
+        return bool(self.body.return_token_ids)
+
+
+class Serving:
+    def __init__(self, settings: SimSettings, renderer: Renderer, engine: Engine) -> None:
+        self.settings = settings
+        self.renderer = renderer
+        self.engine = engine
+        self.think_ids = (renderer.tokenizer.convert_tokens_to_ids(THINK_OPEN),
+                          renderer.tokenizer.convert_tokens_to_ids(THINK_CLOSE))
+
+    # -- request → Call ---------------------------------------------------------------------------------
+    def chat_call(self, raw: bytes, header_id: str | None) -> Call:
+        body = _decode(raw, wire.ChatRequest)
+        self._check_model(body.model)
+        prompt = self._pinned_prompt(body) or self.renderer.render_chat(
+            body.messages, add_generation_prompt=body.add_generation_prompt, tools=body.tools,
+            template_kwargs=body.chat_template_kwargs)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        return self._call("chat", "chatcmpl-", body, prompt, max_tokens, header_id)
+
+    def completion_call(self, raw: bytes, header_id: str | None) -> Call:
+        body = _decode(raw, wire.CompletionRequest)
+        self._check_model(body.model)
+        prompt = self._pinned_prompt(body) or self._completion_prompt(body.prompt)
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        return self._call("completion", "cmpl-", body, prompt, max_tokens, header_id)
+
+    def _call(self, kind: str, prefix: str, body: wire.SamplingFields, prompt: list[int],
+              max_tokens: int | None, header_id: str | None) -> Call:
+        if body.n != 1:
+            raise SimRequestError(400, "n must be 1: the simulator serves one choice per request")
+        limit = self.settings.max_model_len
+        if not prompt:
+            raise SimRequestError(400, "The prompt cannot be empty.")
+        if len(prompt) >= limit:
+            raise SimRequestError(400, f"This model's maximum context length is {limit} tokens. However, your "
+                                       f"request has {len(prompt)} input tokens. Please reduce the length of "
+                                       "the input messages.")
+        if max_tokens is None:
+            max_tokens = limit - len(prompt)
+        if max_tokens < 1 or len(prompt) + max_tokens > limit:
+            raise SimRequestError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. "
+                                       f"This model's maximum context length is {limit} tokens and your request "
+                                       f"has {len(prompt)} input tokens ({max_tokens} > {limit} - {len(prompt)}).")
+        external = prefix + (header_id or body.request_id or secrets.token_hex(16))
+        req = EngineRequest(f"{external}-{secrets.token_hex(4)}", prompt, max_tokens,
+                            kv_params=body.kv_transfer_params, cache_salt=body.cache_salt,
+                            min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, seed=body.seed,
+                            stop=body.stop_list())
+        return Call(kind, external, body, req)
+
+    def _pinned_prompt(self, body: wire.SamplingFields) -> list[int] | None:
+        """vLLM 0.32+: `kv_transfer_params.prompt_token_ids` replaces rendering."""
+        params = body.kv_transfer_params or {}
+        ids = params.get("prompt_token_ids")
+        if not self.settings.honour_prompt_token_ids or not ids:
+            return None
+        if not all(isinstance(i, int) and 0 <= i < len(self.renderer) for i in ids):
+            raise SimRequestError(400, "kv_transfer_params.prompt_token_ids holds invalid token ids")
+        return list(ids)
+
+    def _completion_prompt(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.renderer.render_prompt(prompt)
+        if isinstance(prompt, list) and all(isinstance(i, int) for i in prompt):
+            if any(not 0 <= i < len(self.renderer) for i in prompt):
+                raise SimRequestError(400, "Token id out of vocabulary")
+            return list(prompt)
+        raise SimRequestError(400, "Only a single prompt is supported")
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.model:
+            raise SimRequestError(404, f"The model `{model}` does not exist.")
+
+    # -- non-streaming ----------------------------------------------------------------------------------
+    async def respond(self, call: Call) -> dict[str, Any]:
+        try:
+            run = await self.engine.admit(call.engine_req)
+        except KVLoadError as exc:
+            raise SimRequestError(500, "Internal server error") from exc
+        try:
+            out = [t async for t in self.engine.decode(run)]
+        except BaseException:
+            self.engine.abort(run)
+            raise
+        handle = self.engine.finish(run)
+        return self._final(call, run, out, handle)
+
+    def _final(self, call: Call, run: Running, out: list[int], handle: dict[str, Any] | None) -> dict[str, Any]:
+        model, ans, prompt = self.settings.model, run.answer, call.engine_req.prompt
+        ids = out if call.wants_ids else None
+        prompt_ids = prompt if call.wants_ids else None
+        if call.kind == "completion":
+            return wire.completion_response(
+                call.external_id, model, text=self.renderer.decode(out), finish=ans.finish_reason,
+                stop_reason=ans.stop_reason, token_ids=ids, prompt_ids=prompt_ids, n_prompt=len(prompt),
+                n_out=len(out), kv_params=handle)
+        reasoning, content = self._split(out)
+        return wire.chat_response(
+            call.external_id, model, content=content, reasoning=reasoning, finish=ans.finish_reason,
+            stop_reason=ans.stop_reason, token_ids=ids, prompt_ids=prompt_ids, n_prompt=len(prompt),
+            n_out=len(out), kv_params=handle)
+
+    def _split(self, out: list[int]) -> tuple[str | None, str | None]:
+        """vLLM's think-tag reasoning parser: text inside <think>…</think> is reasoning, the rest content."""
+        text = self.renderer.decode(out)
+        if not self.settings.reasoning:
+            return None, text
+        _, opened, rest = text.partition(THINK_OPEN)
+        text = rest if opened else text
+        if THINK_CLOSE not in text:
+            return text, None
+        reasoning, _, content = text.partition(THINK_CLOSE)
+        return reasoning, content or None
+
+    # -- streaming --------------------------------------------------------------------------------------
+    async def stream(self, call: Call) -> AsyncIterator[bytes]:
+        """SSE frames; the engine request is aborted (no handle) if the client goes away mid-stream."""
+        obj = "chat.completion.chunk" if call.kind == "chat" else "text_completion"
+        created, run = int(time.time()), None
+        frame = _Framer(call, self.settings.model, created, obj, self.settings.stream_kv_params)
+        try:
+            try:
+                run = await self.engine.admit(call.engine_req)
+            except KVLoadError:
+                yield wire.sse(wire.error_body("Internal server error", 500))
+                yield wire.sse("[DONE]")
+                return
+            if call.kind == "chat":
+                yield frame.role_chunk()
+            out: list[int] = []
+            state = _Pieces(self, out)
+            total = len(run.answer.token_ids)
+            async for token in self.engine.decode(run):
+                out.append(token)
+                delta = state.delta(token)
+                last = len(out) == total
+                handle = self.engine.finish(run) if last else None
+                if delta is None and not last and not call.wants_ids:
+                    continue
+                yield frame.token_chunk(token, delta or {}, run if last else None, handle, len(out) == 1)
+            if not run.done:  # a stop string matched at once: nothing generated
+                handle = self.engine.finish(run)
+                yield frame.token_chunk(-1, {}, run, handle, False)
+            if call.body.stream_options and call.body.stream_options.include_usage:
+                yield wire.sse(wire.chunk(call.external_id, self.settings.model, created, obj, [],
+                                          usage=wire.usage(len(call.engine_req.prompt), len(out))))
+            yield wire.sse("[DONE]")
+        finally:
+            if run is not None:
+                self.engine.abort(run)  # no-op after finish
+
+
+class _Pieces:
+    """Incremental detokenization, routed to `content` or `reasoning_content` like vLLM's parsers."""
+
+    def __init__(self, serving: Serving, out: list[int]) -> None:
+        self.serving, self.out = serving, out
+        self.text = ""
+        self.in_think = False
+
+    def delta(self, token: int) -> dict[str, str] | None:
+        text = self.serving.renderer.decode(self.out)
+        piece, self.text = text[len(self.text):], text
+        reasoning = self.serving.settings.reasoning
+        if reasoning and token in self.serving.think_ids:
+            self.in_think = token == self.serving.think_ids[0]
+            return None
+        if self.in_think:
+            return {"reasoning_content": piece, "reasoning": piece}
+        return {"content": piece}
+
+
+class _Framer:
+    def __init__(self, call: Call, model: str, created: int, obj: str, stream_kv_params: bool) -> None:
+        self.call, self.model, self.created, self.obj = call, model, created, obj
+        self.stream_kv_params = stream_kv_params  # a patched vLLM puts the handle in the finish chunk
+
+    def role_chunk(self) -> bytes:
+        top = {"prompt_token_ids": self.call.engine_req.prompt} if self.call.wants_ids else {}
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}
+        return wire.sse(wire.chunk(self.call.external_id, self.model, self.created, self.obj, [choice], **top))
+
+    def token_chunk(self, token: int, delta: dict[str, str], finished: Running | None,
+                    handle: dict[str, Any] | None, first: bool) -> bytes:
+        choice: dict[str, Any]
+        if self.call.kind == "chat":
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        else:
+            text = delta.get("content", delta.get("reasoning_content", ""))
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}
+            if first and self.call.wants_ids:
+                choice["prompt_token_ids"] = self.call.engine_req.prompt
+        if self.call.wants_ids:
+            choice["token_ids"] = [token] if token >= 0 else []
+        top: dict[str, Any] = {}
+        if finished is not None:
+            choice["finish_reason"] = finished.answer.finish_reason
+            choice["stop_reason"] = finished.answer.stop_reason
+            if handle is not None and self.stream_kv_params:
+                top["kv_transfer_params"] = handle
+        return wire.sse(wire.chunk(self.call.external_id, self.model, self.created, self.obj, [choice], **top))
+
+
+
+def _decode(raw: bytes, kind: type) -> Any:
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as exc:
+        raise SimRequestError(400, str(exc)) from exc
+    except msgspec.DecodeError as exc:
+        raise SimRequestError(400, f"Invalid JSON body: {exc}") from exc

@@ -1,0 +1,60 @@
+"""One simulated engine's settings: the flags of `pd-gateway sim`, as a value object."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Literal
+
+import msgspec
+
+Role = Literal["prefill", "decode", "colocated"]
+FailurePolicy = Literal["recompute", "fail"]
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_NUM_BLOCKS = 4096
+DEFAULT_MAX_MODEL_LEN = 32768
+DEFAULT_LEASE_S = 30.0
+DEFAULT_PIN_TTL_S = 480.0
+DEFAULT_RECOMPUTE_THRESHOLD = 64
+DEFAULT_VERSION = "0.32.0"
+# vLLM declines a read whose handle expires within this margin (same-host monotonic clock).
+EXPIRY_MARGIN_S = 5.0
+
+
+class SimSettings(msgspec.Struct, kw_only=True, frozen=True):
+    role: Role = "colocated"
+    host: str = "127.0.0.1"
+    port: int = 0
+    engine_id: str = msgspec.field(default_factory=lambda: str(uuid.uuid4()))
+    model: str = "demo"
+    tokenizer: str = "builtin:demo"
+    chat_template: str | None = None  # path to a Jinja file overriding the tokenizer's template
+    block_size: int = DEFAULT_BLOCK_SIZE
+    num_blocks: int = DEFAULT_NUM_BLOCKS
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
+    bidirectional: bool = True
+    kv_lease_duration: float = DEFAULT_LEASE_S
+    decoder_kv_blocks_ttl: float = DEFAULT_PIN_TTL_S
+    kv_recompute_threshold: int | None = None  # None: 64 when bidirectional, else 0
+    kv_load_failure_policy: FailurePolicy = "fail"
+    prefix_caching: bool = True
+    stream_kv_params: bool = False
+    canonical: bool = True
+    reasoning: bool = False
+    honour_prompt_token_ids: bool = True
+    prefill_ms_per_token: float = 0.0
+    decode_ms_per_token: float = 0.0
+    transfer_ms_per_block: float = 0.0
+    max_num_seqs: int = 256
+    output_tokens: tuple[int, int] = (8, 40)
+    version: str = DEFAULT_VERSION
+
+    @property
+    def recompute_threshold(self) -> int:
+        if self.kv_recompute_threshold is not None:
+            return self.kv_recompute_threshold
+        return DEFAULT_RECOMPUTE_THRESHOLD if self.bidirectional else 0
+
+    @property
+    def has_connector(self) -> bool:
+        return self.role != "colocated"

@@ -1,0 +1,31 @@
+"""The oracle's counters, served at `GET /sim/stats` and partly as vLLM's Prometheus metrics."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SimStats(msgspec.Struct, kw_only=True):
+    requests_total: int = 0
+    requests_failed: int = 0
+    requests_aborted: int = 0
+    prompt_tokens_computed: int = 0  # prefilled locally (including every recompute)
+    prompt_tokens_loaded: int = 0  # KV read from another engine
+    prompt_tokens_cached: int = 0  # local prefix-cache hits
+    generation_tokens: int = 0
+    kv_reads_total: int = 0  # data reads this engine made from a holder
+    kv_blocks_read: int = 0
+    kv_reads_corrupt: int = 0  # blocks used (loaded or cache hits) whose KV is not this prompt's
+    requests_corrupt: int = 0  # requests that used at least one such block
+    kv_reads_skipped: int = 0  # below kv_recompute_threshold (or zero tokens): holder only notified
+    kv_reads_declined: int = 0  # handle within the expiry margin
+    kv_load_failures: int = 0  # holder unreachable or handshake refused
+    notifications_sent: int = 0
+    heartbeats_sent: int = 0
+    heartbeats_received: int = 0
+    handles_leased: int = 0  # P handles issued
+    handles_pinned_total: int = 0  # D handles issued
+    handles_consumed: int = 0  # first read or notification of a live handle
+    handles_expired: int = 0  # leases and pins that ran out unread
+    handles_double_read: int = 0  # reads/notifications of an already spent (or unknown) handle
+    handles_read_after_expiry: int = 0  # reads/notifications of an expired handle (stale memory)
