@@ -1,0 +1,88 @@
+"""Random operation sequences give identical answers from the memory store and the Redis scripts
+(on fakeredis), so the embedded default behaves like the shared store, boundaries included."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, rule
+
+from gateway.store import Conversation, ConversationKey, MemoryConversationStore, RedisConversationStore
+
+fakeredis = pytest.importorskip("fakeredis")
+pytest.importorskip("lupa", reason="fakeredis runs Lua scripts through lupa (fakeredis[lua])")
+
+INFLIGHT_TIMEOUT_S = 600.0
+keys = st.sampled_from([ConversationKey("a", "s"), ConversationKey("b", "s")])
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False) | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3),
+    max_leaves=6,
+)
+handles = st.none() | st.dictionaries(st.text(max_size=6), json_values, max_size=4)
+records = st.builds(
+    Conversation,
+    decode_engine=st.sampled_from(["", "d0", "d1"]),
+    num_tokens=st.integers(0, 10**6),
+    block_hashes=st.binary(max_size=48),
+    output_ids=st.lists(st.integers(0, 2**31), max_size=4),
+    updated_at=st.floats(0, 1e10),
+)
+
+
+class SameAnswers(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 1_000.0
+        self.loop = asyncio.new_event_loop()
+        clock = lambda: self.now  # noqa: E731 - both stores read the same fake wall clock
+        self.memory = MemoryConversationStore(inflight_timeout_s=INFLIGHT_TIMEOUT_S, clock=clock)
+        self.redis = self.loop.run_until_complete(self._redis_store(clock))
+        self.latest: dict[ConversationKey, int] = {}  # last turn begun, per key
+
+    async def _redis_store(self, clock) -> RedisConversationStore:
+        client = fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer())
+        return RedisConversationStore(client, inflight_timeout_s=INFLIGHT_TIMEOUT_S, clock=clock)
+
+    def both(self, op: str, *args: object) -> object:
+        mem = self.loop.run_until_complete(getattr(self.memory, op)(*args))
+        red = self.loop.run_until_complete(getattr(self.redis, op)(*args))
+        assert mem == red, (op, args)
+        return mem
+
+    @rule(dt=st.sampled_from([0.5, 299.0, INFLIGHT_TIMEOUT_S]))
+    def advance(self, dt: float) -> None:
+        self.now += dt
+
+    @rule(key=keys)
+    def begin(self, key: ConversationKey) -> None:
+        self.latest[key] = self.both("begin_turn", key, self.now).turn
+
+    @rule(key=keys, data=st.data(), record=records, handle=handles,
+          expires_in=st.sampled_from([-1.0, 0.0, 1.0, 300.0]))
+    def finish(self, key, data, record, handle, expires_in) -> None:
+        # Mostly the turn that owns the conversation (the interesting path), sometimes a stale or bogus one.
+        latest = self.latest.get(key, 1)
+        turn = data.draw(st.sampled_from([latest, latest, latest, latest - 1, latest + 1]))
+        self.both("finish_turn", key, turn, record, handle, self.now + expires_in, self.now)
+
+    @rule(key=keys)
+    def get(self, key: ConversationKey) -> None:
+        self.both("get", key)
+
+    @rule(key=keys)
+    def delete(self, key: ConversationKey) -> None:
+        self.both("delete", key)
+
+    def teardown(self) -> None:
+        self.loop.run_until_complete(self.redis.close())
+        self.loop.close()
+
+
+SameAnswers.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+test_memory_and_redis_give_same_answers = SameAnswers.TestCase
