@@ -54,6 +54,8 @@ return 1
 """
 
 # KEYS[1] conversation; ARGV: now. Returns the handle if it was still live, else nil.
+# The counters go too, so turns restart at 1: a turn begun before the delete that finishes after a new
+# turn 1 began can still store its record. Harmless: the next turn's continuity check judges any record.
 DELETE = """
 local v = redis.call('HMGET', KEYS[1], 'handle', 'handle_expires_at')
 redis.call('DEL', KEYS[1])
