@@ -1,4 +1,5 @@
-"""Real server processes for tests: start on port 0, read the bound port back, wait on /health, stop by PID.
+"""Child server processes (for `pd-gateway demo` and the tests): start on port 0, read the bound port back,
+wait on /health, stop by PID.
 
 Every server command of this repo (`pd-gateway serve`, `pd-gateway sim`) accepts `--port 0 --port-file F`
 and writes the port it bound to F once it listens.
@@ -44,11 +45,12 @@ class Server:
                 self.proc.wait(timeout=10)
 
 
-def start(args: list[str], *, health: str = "/health", env: dict[str, str] | None = None) -> Server:
-    """Run `pd-gateway ARGS --host 127.0.0.1 --port 0 --port-file F` and wait until it answers `health`."""
+def start(args: list[str], *, health: str = "/health", env: dict[str, str] | None = None,
+          port: int = 0) -> Server:
+    """Run `pd-gateway ARGS --host 127.0.0.1 --port PORT --port-file F` and wait until it answers `health`."""
     tmp = Path(tempfile.mkdtemp(prefix="pdgw-test-"))
     port_file, log_path = tmp / "port", tmp / "log"
-    cmd = [sys.executable, "-m", "gateway", *args, "--host", "127.0.0.1", "--port", "0",
+    cmd = [sys.executable, "-m", "gateway", *args, "--host", "127.0.0.1", "--port", str(port),
            "--port-file", str(port_file)]
     log = open(log_path, "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
@@ -79,7 +81,7 @@ def _answers(url: str) -> bool:
 
 
 def free_port() -> int:
-    """For servers that cannot report a port-0 bind (redis-server): the small race is acceptable in tests."""
+    """For servers that cannot report a port-0 bind (redis-server): the small race is acceptable there."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -53,6 +53,7 @@ class Conversation(msgspec.Struct, kw_only=True):
     prefix_hash: bytes = b""
     output_ids: list[int] = []  # bounded by the caller
     output_text_hash: bytes = b""
+    handle_note: str = ""  # why the last turn stored no handle (a reason code), if it had none
     created_at: float = 0.0
     updated_at: float = 0.0
 

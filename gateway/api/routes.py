@@ -1,0 +1,81 @@
+"""HTTP surface: OpenAI chat/completions, models, health, readiness, metrics. Thin: parse, delegate, shape."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Any
+
+from litestar import Request, Response, get, post
+from litestar.datastructures import State
+from litestar.response import Stream
+
+from gateway.api.schemas import ChatRequest, CompletionRequest, parse
+from gateway.errors import InvalidRequestError
+from gateway.store import ConversationKey
+from gateway.turns.turn import TurnReply
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9_.:-]{1,96}")
+MAX_SESSION_CHARS = 256
+
+
+@post("/v1/chat/completions", status_code=200)
+async def chat_completions(request: Request, state: State) -> Response:
+    body, parsed = parse(await request.body(), ChatRequest)
+    turn = state.intake.chat(body, parsed, _request_id(request))
+    return _respond(await state.runner.run(turn, _session(request, body, state)))
+
+
+@post("/v1/completions", status_code=200)
+async def completions(request: Request, state: State) -> Response:
+    body, parsed = parse(await request.body(), CompletionRequest)
+    turn = state.intake.completion(body, parsed, _request_id(request))
+    return _respond(await state.runner.run(turn, _session(request, body, state)))
+
+
+@get("/v1/models")
+async def models(state: State) -> dict[str, Any]:
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "owned_by": "pd-gateway"} for name in state.intake.served_models]}
+
+
+@get("/health")
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@get("/ready")
+async def ready(state: State) -> Response:
+    report = await state.readiness()
+    return Response(report, status_code=200 if report["ready"] else 503)
+
+
+@get("/metrics", media_type="text/plain; version=0.0.4")
+async def metrics(state: State) -> bytes:
+    return state.metrics.render()
+
+
+ROUTES = [chat_completions, completions, models, health, ready, metrics]
+
+
+def _respond(reply: TurnReply) -> Response:
+    if reply.stream is not None:
+        return Stream(reply.stream, media_type="text/event-stream", headers=reply.headers)
+    return Response(reply.body, media_type="application/json", headers=reply.headers)
+
+
+def _request_id(request: Request) -> str:
+    given = request.headers.get("x-request-id")
+    return given if given and _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+
+
+def _session(request: Request, body: dict[str, Any], state: State) -> ConversationKey | None:
+    """Header first (name configurable), else body `conversation_id` / `session_id`. None: stateless."""
+    session = request.headers.get(state.settings.session_header) or body.get("conversation_id") \
+        or body.get("session_id")
+    if session is None:
+        return None
+    if not isinstance(session, str) or not 0 < len(session) <= MAX_SESSION_CHARS:
+        raise InvalidRequestError(f"session id must be a string of 1..{MAX_SESSION_CHARS} characters",
+                                  param="session_id")
+    return ConversationKey(state.tenant, session)

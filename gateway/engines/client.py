@@ -1,0 +1,130 @@
+"""The vLLM wire client: JSON and SSE over a pooled aiohttp session it is given (so tests and the app own it).
+
+Foreign errors are translated here, at the boundary, into the gateway's error tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from gateway.engines import sse
+from gateway.errors import (
+    EngineFailedError,
+    EngineTimeoutError,
+    EngineUnavailableError,
+    GatewayError,
+    InvalidRequestError,
+)
+
+JSON_HEADERS = {"Content-Type": "application/json"}
+_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
+
+
+class EngineStream:
+    """An open streamed D response: iterate SSE payloads; always `close()` (closing aborts the request on D)."""
+
+    def __init__(self, response: aiohttp.ClientResponse, idle_timeout_s: float) -> None:
+        self._response = response
+        self._idle = idle_timeout_s
+        self._events = sse.events(self._chunks())
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        while True:
+            try:
+                async with asyncio.timeout(self._idle):
+                    chunk = await self._response.content.readany()
+            except TimeoutError:
+                raise EngineTimeoutError("decode engine stalled mid-stream") from None
+            except aiohttp.ClientError as exc:
+                raise EngineFailedError("decode engine broke the stream") from exc
+            if not chunk:
+                return
+            yield chunk
+
+    async def next_event(self) -> bytes | None:
+        try:
+            return await anext(self._events)
+        except StopAsyncIteration:
+            return None
+
+    def close(self) -> None:
+        self._response.close()
+
+
+class EngineClient:
+    def __init__(self, session: aiohttp.ClientSession) -> None:
+        self._session = session
+
+    async def post_json(self, base_url: str, path: str, body: dict[str, Any], *, timeout_s: float,
+                        headers: dict[str, str] | None = None) -> dict[str, Any]:
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with self._session.post(base_url + path, data=_encode(body),
+                                              headers={**JSON_HEADERS, **(headers or {})}) as resp:
+                    payload = await resp.read()
+                    _raise_for_status(resp.status, payload)
+                    return _decode(payload)
+        except TimeoutError:
+            raise EngineTimeoutError("engine did not answer in time") from None
+        except msgspec.DecodeError as exc:
+            raise EngineFailedError("engine answered with malformed JSON") from exc
+        except aiohttp.ClientError as exc:
+            raise _connection_error(exc) from exc
+
+    async def open_stream(self, base_url: str, path: str, body: dict[str, Any], *, first_byte_timeout_s: float,
+                          idle_timeout_s: float, headers: dict[str, str] | None = None) -> EngineStream:
+        """POST a streaming request and wait for its response headers (so HTTP errors surface as errors)."""
+        try:
+            async with asyncio.timeout(first_byte_timeout_s):
+                resp = await self._session.post(base_url + path, data=_encode(body),
+                                                headers={**JSON_HEADERS, **(headers or {})})
+                if resp.status >= 400:
+                    payload = await resp.read()
+                    resp.close()
+                    _raise_for_status(resp.status, payload)
+        except TimeoutError:
+            raise EngineTimeoutError("decode engine did not start streaming in time") from None
+        except aiohttp.ClientError as exc:
+            raise _connection_error(exc) from exc
+        return EngineStream(resp, idle_timeout_s)
+
+    async def get(self, base_url: str, path: str, *, timeout_s: float) -> bytes:
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with self._session.get(base_url + path) as resp:
+                    payload = await resp.read()
+                    _raise_for_status(resp.status, payload)
+                    return payload
+        except TimeoutError:
+            raise EngineTimeoutError("engine did not answer in time") from None
+        except aiohttp.ClientError as exc:
+            raise _connection_error(exc) from exc
+
+
+def _raise_for_status(status: int, payload: bytes) -> None:
+    if status < 400:
+        return
+    if 400 <= status < 500 and status != 404:
+        # vLLM's 4xx are about the request (e.g. prompt longer than the context): the client should see them.
+        raise InvalidRequestError(_engine_message(payload))
+    raise EngineFailedError(f"engine answered HTTP {status}")
+
+
+def _engine_message(payload: bytes) -> str:
+    try:
+        message = _decode(payload)["error"]["message"]
+    except (msgspec.DecodeError, KeyError, TypeError):
+        return "the engine rejected the request"
+    return str(message)[:500]
+
+
+def _connection_error(exc: aiohttp.ClientError) -> GatewayError:
+    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ServerDisconnectedError):
+        return EngineUnavailableError("engine unreachable")
+    return EngineFailedError("engine connection failed")

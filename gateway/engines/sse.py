@@ -1,0 +1,37 @@
+"""Server-sent-event framing as vLLM writes it: `data: <payload>\n\n` per event."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+DONE = b"[DONE]"
+
+
+class EventSplitter:
+    """Cuts a byte stream into SSE event payloads (the `data:` lines of each event, joined)."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        self._buffer += chunk
+        events = []
+        while True:
+            end = self._buffer.find(b"\n\n")
+            if end < 0:
+                return events
+            raw, self._buffer = self._buffer[:end], self._buffer[end + 2:]
+            data = [line[5:].lstrip(b" ") for line in raw.split(b"\n") if line.startswith(b"data:")]
+            if data:
+                events.append(b"\n".join(data))
+
+
+async def events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    splitter = EventSplitter()
+    async for chunk in chunks:
+        for event in splitter.feed(chunk):
+            yield event
+
+
+def frame(payload: bytes) -> bytes:
+    return b"data: " + payload + b"\n\n"

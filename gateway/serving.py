@@ -1,0 +1,37 @@
+"""Run an ASGI app with uvicorn on a socket bound here, so `--port 0` works and the real port can be reported."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import uvicorn
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def serve(app, host: str, port: int, *, port_file: str | None = None, log_level: str = "info") -> None:
+    sock = bind(host, port)
+    config = uvicorn.Config(app, loop="uvloop", http="httptools", log_level=log_level, access_log=False,
+                            lifespan="on", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    if port_file:
+        _announce_when_started(server, Path(port_file), sock.getsockname()[1])
+    server.run(sockets=[sock])
+
+
+def _announce_when_started(server: uvicorn.Server, path: Path, port: int) -> None:
+    """Write the port only once the lifespan ran and the socket accepts: readers may connect at once."""
+    startup = server.startup
+
+    async def startup_then_announce(sockets=None):
+        await startup(sockets=sockets)
+        path.write_text(str(port))
+
+    server.startup = startup_then_announce

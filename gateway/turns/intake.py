@@ -1,0 +1,49 @@
+"""From a validated client request to a TurnRequest: model check, rendering, fields the engines must not see."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.errors import ModelNotFoundError
+from gateway.turns.legs import Endpoint, TurnRequest
+from gateway.turns.render import Renderer
+
+# Never forwarded: a client handle could point an engine at any host or another conversation's blocks.
+_STRIPPED = ("kv_transfer_params", "conversation_id", "session_id", "request_id")
+
+
+class Intake:
+    def __init__(self, renderer: Renderer, served_models: list[str]) -> None:
+        self.renderer = renderer
+        self.served_models = served_models
+
+    def model_for(self, requested: str | None) -> str:
+        if not self.served_models:
+            return requested or ""
+        if requested is None:
+            return self.served_models[0]
+        if requested not in self.served_models:
+            raise ModelNotFoundError(f"The model `{requested}` does not exist.", param="model")
+        return requested
+
+    def chat(self, body: dict[str, Any], req: Any, request_id: str) -> TurnRequest:
+        model = self.model_for(req.model)
+        ids = self.renderer.render_chat(
+            body["messages"], tools=body.get("tools"), add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message, chat_template_kwargs=req.chat_template_kwargs)
+        return self._turn("/v1/chat/completions", body, req, model, ids, request_id)
+
+    def completion(self, body: dict[str, Any], req: Any, request_id: str) -> TurnRequest:
+        model = self.model_for(req.model)
+        return self._turn("/v1/completions", body, req, model, self.renderer.render_prompt(req.prompt), request_id)
+
+    @staticmethod
+    def _turn(endpoint: Endpoint, body: dict[str, Any], req: Any, model: str, ids: list[int],
+              request_id: str) -> TurnRequest:
+        clean = {k: v for k, v in body.items() if k not in _STRIPPED}
+        if model:
+            clean["model"] = model
+        return TurnRequest(
+            endpoint=endpoint, body=clean, model=model, prompt_ids=ids, stream=bool(req.stream),
+            want_token_ids=bool(req.return_token_ids),
+            include_usage=bool(req.stream_options and req.stream_options.include_usage), request_id=request_id)

@@ -1,0 +1,92 @@
+"""The two legs of a turn as vLLM wants them (PROTOCOL.md §3): request bodies, and what to read back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Endpoint = Literal["/v1/chat/completions", "/v1/completions"]
+
+# Fields that only make sense on the leg that produces the client's answer.
+_DECODE_ONLY = ("stream", "stream_options", "min_tokens", "max_completion_tokens", "logprobs", "top_logprobs")
+# Engine-internal fields a client never sees unless it asked for token ids.
+_TOKEN_FIELDS = ("prompt_token_ids", "token_ids")
+
+
+@dataclass
+class TurnRequest:
+    endpoint: Endpoint
+    body: dict[str, Any]              # the client's body, minus session fields and kv_transfer_params
+    model: str
+    prompt_ids: list[int]             # what the gateway rendered and verified
+    stream: bool
+    want_token_ids: bool              # the client itself asked for return_token_ids
+    include_usage: bool
+    request_id: str
+
+
+def prefill_body(req: TurnRequest, params: dict[str, Any]) -> dict[str, Any]:
+    body = {k: v for k, v in req.body.items() if k not in _DECODE_ONLY}
+    body.update(max_tokens=1, stream=False, return_token_ids=True, kv_transfer_params=_pinned(req, params))
+    return _with_prompt(req, body)
+
+
+def decode_body(req: TurnRequest, prefill_handle: dict[str, Any] | None) -> dict[str, Any]:
+    body = dict(req.body)
+    body.update(return_token_ids=True, kv_transfer_params=_pinned(req, prefill_handle or {}))
+    return _with_prompt(req, body)
+
+
+def _pinned(req: TurnRequest, params: dict[str, Any]) -> dict[str, Any]:
+    """vLLM 0.32+ chat uses kv_transfer_params.prompt_token_ids instead of rendering: the verified ids."""
+    return {**params, "prompt_token_ids": req.prompt_ids} if req.endpoint == "/v1/chat/completions" else params
+
+
+def _with_prompt(req: TurnRequest, body: dict[str, Any]) -> dict[str, Any]:
+    if req.endpoint == "/v1/completions":
+        body["prompt"] = req.prompt_ids
+    return body
+
+
+def prompt_ids_of(response: dict[str, Any]) -> list[int] | None:
+    """Chat puts prompt ids at the top level, completions in the choice."""
+    ids = response.get("prompt_token_ids")
+    if ids is None and response.get("choices"):
+        ids = response["choices"][0].get("prompt_token_ids")
+    return ids
+
+
+@dataclass
+class DecodeCapture:
+    """What D's answer tells the gateway: its real prompt ids, its output ids, its handle, how it ended."""
+    prompt_ids: list[int] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    handle: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    error: bool = False
+    output_ids_seen: bool = False
+
+    def take(self, payload: dict[str, Any], want_token_ids: bool) -> dict[str, Any]:
+        """Record one response or chunk, and return the client's view of it (engine internals removed)."""
+        if "error" in payload:
+            self.error = True
+            return payload
+        self.handle = payload.pop("kv_transfer_params", None) or self.handle
+        if self.prompt_ids is None:
+            self.prompt_ids = prompt_ids_of(payload)
+        for choice in payload.get("choices") or ():
+            ids = choice.get("token_ids")
+            if ids is not None:
+                self.output_ids_seen = True
+                self.output_ids.extend(ids)
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+            if not want_token_ids:
+                for key in _TOKEN_FIELDS:
+                    choice.pop(key, None)
+        if not want_token_ids:
+            payload.pop("prompt_token_ids", None)
+        return payload
+
+    @property
+    def finished(self) -> bool:
+        return not self.error and self.finish_reason in ("stop", "length")

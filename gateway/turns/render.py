@@ -1,0 +1,67 @@
+"""Prompt rendering: the model's tokenizer and chat template (transformers) → the token ids the engine sees.
+
+The only module that imports transformers. Rendering follows vLLM: template to text, then encode without
+adding special tokens (the template carries them); completions prompts are encoded with them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from gateway.errors import InvalidRequestError
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from transformers import AutoTokenizer  # noqa: E402  (after the verbosity setting)
+
+BUILTIN_DIR = Path(__file__).resolve().parent.parent / "tokenizers"
+
+
+def tokenizer_path(spec: str) -> str:
+    """`builtin:NAME` → the tokenizer shipped in this package; anything else is a path or hub id."""
+    if spec.startswith("builtin:"):
+        path = BUILTIN_DIR / spec.removeprefix("builtin:")
+        if not path.is_dir():
+            raise ValueError(f"unknown builtin tokenizer {spec!r}; have {sorted(p.name for p in BUILTIN_DIR.iterdir())}")
+        return str(path)
+    return spec
+
+
+class Renderer:
+    def __init__(self, tokenizer: str, chat_template: str | None = None) -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path(tokenizer))
+        if chat_template:
+            self.tokenizer.chat_template = Path(chat_template).read_text()
+        if not self.tokenizer.chat_template:
+            raise ValueError(f"tokenizer {tokenizer!r} has no chat template: pass --chat-template FILE")
+
+    def render_chat(self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [normalize_message(m) for m in messages], tools=tools, tokenize=False,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                **(chat_template_kwargs or {}))
+        except Exception as exc:  # jinja raises many kinds; all mean this request cannot be rendered
+            raise InvalidRequestError(f"the chat template could not render these messages: {exc}",
+                                      param="messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def render_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        return self.tokenizer.encode(prompt)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def normalize_message(message: dict[str, Any]) -> dict[str, Any]:
+    """As vLLM does for string-content templates: content parts → their texts joined by newlines."""
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return {**message, "content": content if content is not None else ""}

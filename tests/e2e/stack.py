@@ -1,0 +1,87 @@
+"""A gateway with simulated P and D (and a co-located baseline engine) as real processes on loopback."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import openai
+
+from tests.servers import Server, start
+
+
+@dataclass
+class Stack:
+    prefill: list[Server]
+    decode: list[Server]
+    baseline: Server
+    gateway: Server
+    extra: list[Server] = field(default_factory=list)
+
+    @property
+    def engines(self) -> list[Server]:
+        return [*self.prefill, *self.decode]
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.gateway.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+    def baseline_client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.baseline.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+    def stats(self, server: Server) -> dict:
+        return get_json(server.url + "/sim/stats")
+
+    def total(self, key: str) -> int:
+        return sum(self.stats(s)[key] for s in [*self.engines, self.baseline])
+
+    @staticmethod
+    def wait_until(condition, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            if time.monotonic() > deadline:
+                raise AssertionError("condition not reached in time")
+            time.sleep(0.05)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample of the gateway's /metrics (0 when absent)."""
+        text = urllib.request.urlopen(self.gateway.url + "/metrics", timeout=5).read().decode()
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        for line in text.splitlines():
+            name_part, _, value = line.rpartition(" ")
+            if name_part == (f"{name}{{{want}}}" if want else name):
+                return float(value)
+        return 0.0
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return json.loads(resp.read())
+
+
+@contextlib.contextmanager
+def stack(*, sim: list[str] = (), decode: list[str] = ("--stream-kv-params",), gateway: list[str] = (),
+          tokenizer: str = "builtin:demo", prefills: int = 1, decodes: int = 1) -> Iterator[Stack]:
+    servers: list[Server] = []
+
+    def launch(args: list[str]) -> Server:
+        servers.append(start(args))
+        return servers[-1]
+
+    try:
+        common = ["sim", "--tokenizer", tokenizer, *sim]
+        p = [launch([*common, "--role", "prefill", "--engine-id", f"p{i}"]) for i in range(prefills)]
+        d = [launch([*common, "--role", "decode", "--engine-id", f"d{i}", *decode]) for i in range(decodes)]
+        base = launch([*common, "--role", "colocated", "--engine-id", "baseline"])
+        args = ["serve", "--tokenizer", tokenizer, "--health-interval-s", "0.5", *gateway]
+        for server in p:
+            args += ["--prefill", server.url]
+        for server in d:
+            args += ["--decode", server.url]
+        yield Stack(p, d, base, launch(args))
+    finally:
+        for server in reversed(servers):
+            server.stop()

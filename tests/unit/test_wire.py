@@ -1,0 +1,77 @@
+"""SSE framing, request validation and what the client is allowed to see of D's answer."""
+
+import pytest
+
+from gateway.api.schemas import ChatRequest, CompletionRequest, parse
+from gateway.engines.sse import EventSplitter
+from gateway.errors import InvalidRequestError
+from gateway.turns.legs import DecodeCapture, TurnRequest, decode_body, prefill_body
+
+
+def test_sse_splitter_handles_arbitrary_cuts():
+    stream = b'data: {"a":1}\n\ndata: {"b":2}\n\ndata: [DONE]\n\n'
+    for cut in range(1, len(stream)):
+        splitter = EventSplitter()
+        events = splitter.feed(stream[:cut]) + splitter.feed(stream[cut:])
+        assert events == [b'{"a":1}', b'{"b":2}', b"[DONE]"]
+
+
+@pytest.mark.parametrize(("raw", "param"), [
+    (b"{not json", None),
+    (b"[]", None),
+    (b'{"model":"m"}', "messages"),
+    (b'{"messages":"hi"}', "messages"),
+    (b'{"messages":[{"content":"x"}]}', "messages[0].role"),
+    (b'{"messages":[{"role":"user","content":"x"}],"n":2}', "n"),
+    (b'{"messages":[{"role":"user","content":"x"}],"max_tokens":0}', "max_tokens"),
+    (b'{"messages":[{"role":"user","content":"x"}],"max_tokens":"many"}', "max_tokens"),
+    (b'{"messages":[]}', "messages"),
+])
+def test_bad_chat_requests_name_the_field(raw, param):
+    with pytest.raises(InvalidRequestError) as err:
+        parse(raw, ChatRequest)
+    assert err.value.param == param
+
+
+def test_completion_prompt_forms():
+    assert parse(b'{"prompt":"hi"}', CompletionRequest)[1].prompt == "hi"
+    assert parse(b'{"prompt":[1,2]}', CompletionRequest)[1].prompt == [1, 2]
+    with pytest.raises(InvalidRequestError):
+        parse(b'{"prompt":[]}', CompletionRequest)
+
+
+def _turn(**kw) -> TurnRequest:
+    base = dict(endpoint="/v1/chat/completions", body={"messages": [], "stream": True, "max_tokens": 50,
+                                                       "min_tokens": 3, "stream_options": {"include_usage": True}},
+                model="m", prompt_ids=[1, 2, 3], stream=True, want_token_ids=False, include_usage=True,
+                request_id="r")
+    return TurnRequest(**{**base, **kw})
+
+
+def test_prefill_body_is_one_token_non_streamed_with_pinned_ids():
+    body = prefill_body(_turn(), {"do_remote_decode": True})
+    assert body["max_tokens"] == 1 and body["stream"] is False
+    assert "stream_options" not in body and "min_tokens" not in body
+    assert body["kv_transfer_params"] == {"do_remote_decode": True, "prompt_token_ids": [1, 2, 3]}
+
+
+def test_decode_body_keeps_the_clients_request():
+    body = decode_body(_turn(), {"do_remote_prefill": True})
+    assert body["max_tokens"] == 50 and body["stream"] is True and body["min_tokens"] == 3
+    assert body["return_token_ids"] is True
+    assert body["kv_transfer_params"]["do_remote_prefill"] is True
+
+
+def test_completions_send_token_ids_as_prompt():
+    body = prefill_body(_turn(endpoint="/v1/completions", body={"prompt": "abc"}), {})
+    assert body["prompt"] == [1, 2, 3] and "prompt_token_ids" not in body["kv_transfer_params"]
+
+
+def test_capture_strips_engine_internals_unless_asked():
+    chunk = {"prompt_token_ids": [1], "kv_transfer_params": {"remote_host": "10.0.0.1"},
+             "choices": [{"index": 0, "delta": {"content": "x"}, "token_ids": [7], "finish_reason": "stop"}]}
+    capture = DecodeCapture()
+    view = capture.take(chunk, want_token_ids=False)
+    assert "kv_transfer_params" not in view and "prompt_token_ids" not in view
+    assert "token_ids" not in view["choices"][0]
+    assert capture.handle == {"remote_host": "10.0.0.1"} and capture.output_ids == [7] and capture.finished
