@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-import asyncio
+import logging
 import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
@@ -23,6 +23,7 @@ from gateway.sim.settings import SimSettings
 from gateway.sim.transfer import KVHeartbeatRequest, KVNotifyRequest, KVReadRequest
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
+log = logging.getLogger("gateway.sim")
 
 
 def _json(payload: Any, status: int = 200) -> Response:
@@ -33,6 +34,8 @@ def _error(_: Request, exc: Exception) -> Response:
     if isinstance(exc, SimRequestError):
         return _json(wire.error_body(exc.message, exc.status), exc.status)
     status = getattr(exc, "status_code", 500)
+    if status >= 500:
+        log.error("unhandled error", exc_info=exc)
     message = getattr(exc, "detail", None) or "Internal server error"
     return _json(wire.error_body(str(message) if status < 500 else "Internal server error", status), status)
 

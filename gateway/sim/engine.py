@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from gateway.sim.blocks import GARBAGE, BlockPool, Slot, block_hashes
+from gateway.sim.blocks import GARBAGE, BlockPool, PoolExhaustedError, Slot, block_hashes
 from gateway.sim.generate import Answer, Model, context_digest
 from gateway.sim.handles import HandleTable
 from gateway.sim.kvload import KVSource, load_plan, parks
@@ -23,6 +23,7 @@ from gateway.sim.stats import SimStats
 from gateway.sim.transfer import KVClient, TransferError
 
 EXPIRY_TICK_S = 0.2
+POOL_RETRY_S = 0.01
 
 
 class KVLoadError(Exception):
@@ -153,8 +154,8 @@ class Engine:
         hits = self.pool.match_prefix(hashes)[: (len(prompt) - 1) // bs]  # the last token is always computed
         self.pool.touch(hits)
         try:
-            fresh = self.pool.allocate(-(-len(prompt) // bs) - len(hits))
-        except Exception:
+            fresh = await self._allocate(-(-len(prompt) // bs) - len(hits))
+        except BaseException:
             self.pool.release(hits)
             raise
         table, cached = hits + fresh, len(hits) * bs
@@ -177,6 +178,16 @@ class Engine:
         answer = self.model.answer(context_digest(slots), seed=req.seed, max_tokens=req.max_tokens,
                                    min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop=req.stop)
         return Running(req, table, len(hits), answer)
+
+    async def _allocate(self, n: int) -> list[int]:
+        """Blocks for a prompt; when the pool is full the request waits, as vLLM's scheduler keeps it queued."""
+        if n > len(self.pool.blocks):
+            raise PoolExhaustedError(f"the prompt needs {n} KV blocks, the engine has {len(self.pool.blocks)}")
+        while True:
+            try:
+                return self.pool.allocate(n)
+            except PoolExhaustedError:
+                await asyncio.sleep(POOL_RETRY_S)
 
     async def _load(self, req: EngineRequest, source: KVSource | None, cached: int) -> dict[int, Slot]:
         """KV for prompt positions read from the holder, by position; empty when nothing is read."""

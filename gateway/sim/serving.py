@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator
 import msgspec
 
 from gateway.sim import wire
+from gateway.sim.blocks import PoolExhaustedError
 from gateway.sim.engine import Engine, EngineRequest, KVLoadError, Running
 from gateway.sim.generate import THINK_CLOSE, THINK_OPEN
 from gateway.sim.render import Renderer
@@ -123,6 +124,8 @@ class Serving:
             run = await self.engine.admit(call.engine_req)
         except KVLoadError as exc:
             raise SimRequestError(500, "Internal server error") from exc
+        except PoolExhaustedError as exc:
+            raise SimRequestError(400, str(exc)) from exc
         try:
             out = [t async for t in self.engine.decode(run)]
         except BaseException:

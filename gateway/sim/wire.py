@@ -48,7 +48,7 @@ class ChatRequest(SamplingFields, kw_only=True):
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[Any]  # text, token ids, or a one-element batch of either
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

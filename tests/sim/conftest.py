@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -15,6 +16,49 @@ P_LEG_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_en
                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
+# Every sim the suite uses, by name: started on first use, shared by all tests (each test resets what it uses).
+FLEET: dict[str, tuple[str, ...]] = {
+    "p": ("--role", "prefill"),  # defaults: policy fail, threshold 64
+    "p_recompute": ("--role", "prefill", "--kv-load-failure-policy", "recompute", "--kv-recompute-threshold", "0"),
+    "p_lease": ("--role", "prefill", "--kv-lease-duration", "0.6"),
+    "p_oneway": ("--role", "prefill", "--no-bidirectional"),
+    "d": ("--role", "decode"),
+    "d_stream": ("--role", "decode", "--stream-kv-params"),
+    "d_small": ("--role", "decode", "--num-blocks", "40", "--kv-recompute-threshold", "0"),
+    "d_ttl": ("--role", "decode", "--decoder-kv-blocks-ttl", "0.6"),
+    "d_slow": ("--role", "decode", "--decode-ms-per-token", "40", "--output-tokens", "40:40"),
+    "c": ("--role", "colocated",),
+    "c_reasoning": ("--role", "colocated", "--reasoning", "--tokenizer", "builtin:demo-reasoning"),
+    "c_noncanonical": ("--role", "colocated", "--non-canonical", "--output-tokens", "30:40"),
+    "c_old": ("--role", "colocated", "--no-prompt-token-ids"),
+}
+
+
+class Fleet:
+    def __init__(self) -> None:
+        self.servers: dict[str, Server] = {}
+
+    def __call__(self, *names: str) -> list[Server]:
+        missing = [n for n in names if n not in self.servers]
+        with ThreadPoolExecutor(max_workers=4) as pool:  # start-up is mostly waiting on imports
+            for name, server in zip(missing, pool.map(lambda n: start(["sim", *FLEET[n]]), missing)):
+                self.servers[name] = server
+        return [self.servers[n] for n in names]
+
+    def stop(self) -> None:
+        for server in self.servers.values():
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def fleet() -> Iterator[Fleet]:
+    fleet = Fleet()
+    try:
+        yield fleet
+    finally:
+        fleet.stop()
+
+
 @contextmanager
 def running(*args: str) -> Iterator[Server]:
     server = start(["sim", *args])
@@ -24,7 +68,7 @@ def running(*args: str) -> Iterator[Server]:
         server.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def http() -> Iterator[httpx.Client]:
     with httpx.Client(timeout=30) as client:
         yield client
@@ -48,6 +92,9 @@ class Sims:
     def stats(self, server: Server) -> dict[str, Any]:
         return self.http.get(server.url + "/sim/stats").json()
 
+    def raw_chat(self, server: Server, body: dict[str, Any], **kw: Any) -> httpx.Response:
+        return self.http.post(server.url + "/v1/chat/completions", json={"model": "demo", **body}, **kw)
+
     def reset(self, *servers: Server) -> None:
         for server in servers:
             self.http.post(server.url + "/sim/reset").raise_for_status()
@@ -70,9 +117,14 @@ class Sims:
         return self.decode(d, messages, p_resp["kv_transfer_params"], **body)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def sims(http: httpx.Client) -> Sims:
     return Sims(http)
+
+
+def assistant(resp: dict[str, Any]) -> dict[str, str]:
+    """The reply as a client would put it back into history."""
+    return {"role": "assistant", "content": resp["choices"][0]["message"]["content"]}
 
 
 def user(text: str) -> dict[str, str]:

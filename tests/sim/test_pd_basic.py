@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from tests.servers import Server
-from tests.sim.conftest import Sims, long_text, running, user
+from tests.sim.conftest import Fleet, Sims, long_text, user
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def trio() -> Iterator[tuple[Server, Server, Server]]:
-    with running("--role", "prefill") as p, running("--role", "decode") as d, running("--role", "colocated") as c:
-        yield p, d, c
+@pytest.fixture
+def trio(fleet: Fleet, sims: Sims) -> tuple[Server, Server, Server]:
+    servers = fleet("p", "d", "c")
+    sims.reset(*servers)
+    return servers  # type: ignore[return-value]
 
 
 def test_single_turn_p_to_d_matches_colocated(sims: Sims, trio: tuple[Server, Server, Server]) -> None:
     p, d, c = trio
-    sims.reset(p, d, c)
     messages = [user(long_text(60))]
     p_resp = sims.prefill(p, messages)
     handle = p_resp["kv_transfer_params"]
