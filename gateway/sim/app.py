@@ -68,18 +68,18 @@ def create_sim_app(settings: SimSettings) -> Litestar:
                 engine.waiting -= 1
             return Response(content=b"", status_code=499)
         if call.body.stream:
-            return Stream(serving.stream(call), media_type="text/event-stream")
+            return Stream(serving.stream(call), media_type="text/event-stream", status_code=200)
         return _json(await serving.respond(call))
 
-    @post("/v1/chat/completions")
+    @post("/v1/chat/completions", status_code=200)
     async def chat(request: Request) -> Response | Stream:
         return await _run(serving.chat_call, request)
 
-    @post("/v1/completions")
+    @post("/v1/completions", status_code=200)
     async def completions(request: Request) -> Response | Stream:
         return await _run(serving.completion_call, request)
 
-    @post("/tokenize")
+    @post("/tokenize", status_code=200)
     async def tokenize(request: Request) -> Response:
         body = msgspec.json.decode(await request.body(), type=wire.TokenizeRequest)
         if body.messages is not None:
@@ -119,12 +119,12 @@ def create_sim_app(settings: SimSettings) -> Litestar:
                       "blocks_cached": len(engine.pool.cached), "running": engine.running,
                       "waiting": engine.waiting})
 
-    @post("/sim/reset")
+    @post("/sim/reset", status_code=200)
     async def reset() -> Response:
         engine.reset()
         return _json({"ok": True})
 
-    @post("/sim/kv/read")
+    @post("/sim/kv/read", status_code=200)
     async def kv_read(request: Request) -> Response:
         body = msgspec.json.decode(await request.body(), type=KVReadRequest)
         if body.engine_id != settings.engine_id or body.block_size != settings.block_size:
@@ -135,14 +135,14 @@ def create_sim_app(settings: SimSettings) -> Litestar:
         claim = engine.handles.claim(body.request_id)
         return _json({"blocks": blocks, "claim": claim})
 
-    @post("/sim/kv/notify")
+    @post("/sim/kv/notify", status_code=200)
     async def kv_notify(request: Request) -> Response:
         body = msgspec.json.decode(await request.body(), type=KVNotifyRequest)
         if body.engine_id != settings.engine_id:
             return _json(wire.error_body("engine id mismatch", 400), 409)
         return _json({"claim": engine.handles.claim(body.request_id)})
 
-    @post("/sim/kv/heartbeat")
+    @post("/sim/kv/heartbeat", status_code=200)
     async def kv_heartbeat(request: Request) -> Response:
         body = msgspec.json.decode(await request.body(), type=KVHeartbeatRequest)
         engine.stats.heartbeats_received += 1

@@ -1,0 +1,92 @@
+"""Lifetimes: P's lease, D's pin TTL, and the reader's 5 s expiry margin under both failure policies."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from tests.servers import Server
+from tests.sim.conftest import Fleet, Sims, assistant, long_text, user
+
+pytestmark = pytest.mark.integration
+SHORT_HOLD_S = 0.6  # the fleet's --kv-lease-duration / --decoder-kv-blocks-ttl
+
+
+def _wait_for(sims: Sims, server: Server, key: str, value: int, within_s: float = 3.0) -> dict[str, Any]:
+    deadline = time.monotonic() + within_s
+    while True:
+        stats = sims.stats(server)
+        if stats[key] == value or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)
+
+
+def test_lease_expiry_frees_p_blocks_and_a_late_read_is_silent(sims: Sims, fleet: Fleet) -> None:
+    p, d, c = fleet("p_lease", "d", "c")
+    sims.reset(p, d)
+    messages = [user(long_text(30, "l"))]
+    handle = sims.prefill(p, messages)["kv_transfer_params"]
+    assert sims.stats(p)["handles_leased_now"] == 1 and sims.stats(p)["blocks_in_use"] > 0
+    ps = _wait_for(sims, p, "handles_leased_now", 0)
+    assert ps["blocks_in_use"] == 0 and ps["handles_expired"] == 1
+    resp = sims.decode(d, messages, handle)  # no error: stale (here still intact) memory is read
+    assert sims.stats(p)["handles_read_after_expiry"] == 1
+    assert resp["choices"][0]["message"]["content"] == sims.chat(c, messages)["choices"][0]["message"]["content"]
+
+
+def test_decoder_ttl_unpins_and_a_stale_read_is_silent(sims: Sims, fleet: Fleet) -> None:
+    p, d = fleet("p", "d_ttl")
+    sims.reset(p, d)
+    messages = [user(long_text(30, "x"))]
+    r1 = sims.turn(p, d, messages)
+    assert sims.stats(d)["handles_pinned"] == 1
+    ds = _wait_for(sims, d, "handles_pinned", 0)
+    assert ds["blocks_in_use"] == 0 and ds["handles_expired"] == 1
+    # An engine that does not check expiry (the field dropped) reads the freed blocks without any error.
+    stale = dict(r1["kv_transfer_params"], remote_blocks_expiry_time=None)
+    sims.reset(p)
+    sims.prefill(p, messages + [assistant(r1), user("next")], stale)
+    assert sims.stats(d)["handles_read_after_expiry"] == 1
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_handle_within_expiry_margin_is_declined(sims: Sims, fleet: Fleet, policy: str) -> None:
+    p_name = "p" if policy == "fail" else "p_recompute"
+    p, d, c = fleet(p_name, "d_ttl", "c")
+    sims.reset(p, d)
+    m1 = [user(long_text(30, "m"))]
+    r1 = sims.turn(p, d, m1)  # D's pin expires in 0.6 s: inside the 5 s margin from the start
+    m2 = m1 + [assistant(r1), user("next")]
+    sims.reset(p)
+    body = {"messages": m2, "max_tokens": 1,
+            "kv_transfer_params": dict(r1["kv_transfer_params"], do_remote_decode=True)}
+    resp = sims.raw_chat(p, body)
+    assert sims.stats(p)["kv_reads_declined"] == 1 and sims.stats(p)["kv_reads_total"] == 0
+    if policy == "fail":
+        assert resp.status_code == 500
+        assert resp.json() == {"error": {"message": "Internal server error", "type": "InternalServerError",
+                                         "param": None, "code": 500}}
+        return
+    assert resp.status_code == 200
+    ps = sims.stats(p)
+    assert ps["prompt_tokens_loaded"] == 0 and ps["prompt_tokens_computed"] == resp.json()["usage"]["prompt_tokens"]
+    r2 = sims.decode(d, m2, resp.json()["kv_transfer_params"])
+    assert r2["choices"][0]["message"]["content"] == sims.chat(c, m2)["choices"][0]["message"]["content"]
+
+
+def test_unreachable_holder_fails_d_under_fail_policy(sims: Sims, fleet: Fleet) -> None:
+    p, d = fleet("p", "d")
+    messages = [user(long_text(30, "q"))]
+    handle = sims.prefill(p, messages)["kv_transfer_params"]
+    p.stop()  # P gone: D's read cannot happen
+    try:
+        resp = sims.raw_chat(d, {"messages": messages, "kv_transfer_params": handle})
+        assert resp.status_code == 500 and resp.json()["error"]["message"] == "Internal server error"
+        streamed = sims.raw_chat(d, {"messages": messages, "kv_transfer_params": handle, "stream": True})
+        frames = [f for f in streamed.text.split("\n\n") if f]
+        assert streamed.status_code == 200 and frames[-1] == "data: [DONE]"
+        assert '"error"' in frames[-2] and '"code":500' in frames[-2]
+    finally:
+        del fleet.servers["p"]
