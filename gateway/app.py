@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 from litestar import Litestar
 
+from gateway.api.admin import ADMIN_ROUTES
 from gateway.api.errors import HANDLERS
 from gateway.api.routes import ROUTES
 from gateway.config import DEFAULT_TENANT, Settings
@@ -20,6 +21,7 @@ from gateway.engines.pool import EnginePool
 from gateway.engines.probe import probe
 from gateway.store import ConversationStore, MemoryConversationStore, RedisConversationStore
 from gateway.telemetry import Metrics
+from gateway.turns.conversations import ConversationAdmin
 from gateway.turns.intake import Intake
 from gateway.turns.render import Renderer
 from gateway.turns.turn import TurnRunner
@@ -32,7 +34,7 @@ def create_app(settings: Settings) -> Litestar:
     if not settings.prefill or not settings.decode:
         raise ValueError("at least one --prefill and one --decode engine are needed")
     return Litestar(
-        route_handlers=ROUTES,
+        route_handlers=[*ROUTES, *ADMIN_ROUTES],
         exception_handlers=HANDLERS,
         lifespan=[lambda app: _lifespan(app, settings)],
         request_max_body_size=settings.max_body_bytes,
@@ -58,6 +60,7 @@ async def _lifespan(app: Litestar, settings: Settings) -> AsyncIterator[None]:
         state.runner = TurnRunner(client=client, prefill=prefill, decode=decode, store=store,
                                   metrics=state.metrics, settings=settings, block_size=block_size,
                                   served_model=models[0] if models else "")
+        state.admin = ConversationAdmin(store, state.runner)
         state.readiness = lambda: _readiness(store, prefill, decode)
         log.info("pd-gateway: %d prefill, %d decode engines; store %s; block size %d; models %s",
                  len(prefill.engines), len(decode.engines), store.kind, block_size, models)

@@ -34,6 +34,7 @@ HELP = {
     "decode_idle_timeout_s": "D leg deadline between two streamed chunks",
     "health_interval_s": "engine health check period",
     "log_level": "debug, info, warning, error",
+    "admin_key": "enables the admin API (/admin/*) for requests bearing this key",
     "host": "listen address",
     "port": "listen port (0: any free port)",
 }

@@ -49,6 +49,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     decode_idle_timeout_s: float = 60.0
     health_interval_s: float = 2.0
     log_level: str = "info"
+    admin_key: str | None = None                   # enables /admin/*; sent as "Authorization: Bearer KEY"
 
     @property
     def handle_ttl_s(self) -> float:

@@ -24,19 +24,23 @@ QUESTIONS = [
 
 async def chat_turn(http: aiohttp.ClientSession, url: str, session: str, messages: list[dict]) -> dict:
     began, ttft, text = time.perf_counter(), None, []
-    body = {"model": "demo", "messages": messages, "stream": True, "max_tokens": 64}
+    body = {"model": "demo", "messages": messages, "stream": True, "max_tokens": 160,
+            "stream_options": {"include_usage": True}}
+    prompt_tokens = 0
     async with http.post(url + "/v1/chat/completions", json=body, headers={"X-Session-Id": session}) as resp:
         resp.raise_for_status()
         async for line in resp.content:
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                 continue
-            choices = json.loads(line[6:])["choices"]
-            delta = choices[0]["delta"] if choices else {}
+            chunk = json.loads(line[6:])
+            prompt_tokens = (chunk.get("usage") or {}).get("prompt_tokens", prompt_tokens)
+            delta = chunk["choices"][0]["delta"] if chunk["choices"] else {}
             if delta.get("content"):
                 ttft = ttft or time.perf_counter() - began
                 text.append(delta["content"])
         return {"plan": resp.headers["X-PD-Plan"], "reason": resp.headers["X-PD-Reason"],
                 "reused": int(resp.headers["X-PD-Reused-Tokens"]), "ttft_ms": (ttft or 0) * 1e3,
+                "prompt": prompt_tokens,
                 "answer": "".join(text)}
 
 
@@ -59,10 +63,10 @@ async def script(gateway: Server, prefill: Server) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'turn':>4}  {'plan':<8} {'reason':<16} {'reused':>7} {'P computed':>10} {'TTFT ms':>8}")
+    print(f"{'turn':>4}  {'plan':<8} {'reason':<16} {'prompt':>6} {'reused':>7} {'P computed':>10} {'TTFT ms':>8}")
     for i, row in enumerate(rows, 1):
-        print(f"{i:>4}  {row['plan']:<8} {row['reason']:<16} {row['reused']:>7} {row['computed']:>10} "
-              f"{row['ttft_ms']:>8.1f}")
+        print(f"{i:>4}  {row['plan']:<8} {row['reason']:<16} {row['prompt']:>6} {row['reused']:>7} "
+              f"{row['computed']:>10} {row['ttft_ms']:>8.1f}")
 
 
 def main(argv: list[str]) -> None:
@@ -73,7 +77,8 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     servers: list[Server] = []
     try:
-        sim = ["--tokenizer", args.tokenizer, "--stream-kv-params"]
+        # Answers longer than kv_recompute_threshold (64 tokens), so P reads them from D instead of recomputing.
+        sim = ["--tokenizer", args.tokenizer, "--stream-kv-params", "--output-tokens", "80:120"]
         prefill = start(["sim", "--role", "prefill", "--engine-id", "demo-p", *sim])
         servers.append(prefill)
         decode = start(["sim", "--role", "decode", "--engine-id", "demo-d", *sim])

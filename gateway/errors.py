@@ -3,6 +3,8 @@
     GatewayError
     ├── ClientError                  4xx: the request itself is wrong; retrying it unchanged will not help
     │   ├── InvalidRequestError      400 invalid_request_error (names the offending field in `param`)
+    │   ├── AuthenticationError      401 invalid_api_key
+    │   ├── NotFoundError            404 not_found
     │   ├── ModelNotFoundError       404 model_not_found
     │   └── RequestTooLargeError     413 request_too_large
     └── UpstreamError                5xx: an engine failed; the request may succeed later
@@ -38,6 +40,17 @@ class ClientError(GatewayError):
 
 class InvalidRequestError(ClientError):
     pass
+
+
+class AuthenticationError(ClientError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class NotFoundError(ClientError):
+    status = 404
+    code = "not_found"
 
 
 class ModelNotFoundError(ClientError):

@@ -27,6 +27,7 @@ class Chat:
     messages: list[dict] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
     max_tokens: int = 200
+    hop: bool = False           # send each turn to the next gateway replica
 
     def say(self, content: str, *, stream: bool = False) -> Turn:
         self.messages.append({"role": "user", "content": content})
@@ -39,10 +40,12 @@ class Chat:
         self.turns.append(turn)
         return turn
 
-    def ask(self, *, stream: bool = False) -> Turn:
+    def ask(self, *, stream: bool = False, replica: int | None = None) -> Turn:
         prefill = self.stack.prefill[0]
         before = self.stack.stats(prefill)["prompt_tokens_computed"]
-        raw = self.stack.client().chat.completions.with_raw_response.create(
+        if replica is None:
+            replica = len(self.turns) if self.hop else 0
+        raw = self.stack.client(replica).chat.completions.with_raw_response.create(
             model="demo", messages=self.messages, stream=stream, max_tokens=self.max_tokens,
             extra_headers={"X-Session-Id": self.session},
             **({"stream_options": {"include_usage": True}} if stream else {}))

@@ -7,7 +7,7 @@ import json
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import openai
 
@@ -19,15 +19,19 @@ class Stack:
     prefill: list[Server]
     decode: list[Server]
     baseline: Server
-    gateway: Server
-    extra: list[Server] = field(default_factory=list)
+    gateways: list[Server]
+
+    @property
+    def gateway(self) -> Server:
+        return self.gateways[0]
 
     @property
     def engines(self) -> list[Server]:
         return [*self.prefill, *self.decode]
 
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.gateway.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    def client(self, replica: int = 0) -> openai.OpenAI:
+        url = self.gateways[replica % len(self.gateways)].url
+        return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
 
     def baseline_client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.baseline.url + "/v1", api_key="unused", max_retries=0, timeout=30)
@@ -64,7 +68,7 @@ def get_json(url: str) -> dict:
 
 @contextlib.contextmanager
 def stack(*, sim: list[str] = (), decode: list[str] = ("--stream-kv-params",), gateway: list[str] = (),
-          tokenizer: str = "builtin:demo", prefills: int = 1, decodes: int = 1) -> Iterator[Stack]:
+          tokenizer: str = "builtin:demo", prefills: int = 1, decodes: int = 1, gateways: int = 1) -> Iterator[Stack]:
     servers: list[Server] = []
 
     def launch(args: list[str]) -> Server:
@@ -81,7 +85,7 @@ def stack(*, sim: list[str] = (), decode: list[str] = ("--stream-kv-params",), g
             args += ["--prefill", server.url]
         for server in d:
             args += ["--decode", server.url]
-        yield Stack(p, d, base, launch(args))
+        yield Stack(p, d, base, [launch(args) for _ in range(gateways)])
     finally:
         for server in reversed(servers):
             server.stop()

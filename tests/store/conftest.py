@@ -1,29 +1,17 @@
-"""Fixtures for the store suite: a session-wide real redis-server, and `make_store` over every kind."""
+"""Fixtures for the store suite: `make_store` over every kind (the real redis-server is in tests/conftest.py)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import redis
 
 from gateway.store import ConversationStore, MemoryConversationStore, RedisConversationStore
-from tests.redis_server import RedisServer
 
 MakeStore = Callable[..., ConversationStore]
 
 STORE_KINDS = ["memory", "fakeredis", pytest.param("redis", marks=pytest.mark.integration)]
-
-
-@pytest.fixture(scope="session")
-def redis_server() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
-
-
-@pytest.fixture(scope="session")
-def redis_url(redis_server: RedisServer) -> str:
-    return redis_server.url
 
 
 @pytest.fixture

@@ -1,0 +1,49 @@
+"""Admin API: conversations and engines. Off unless an admin key is configured; the key is compared in
+constant time."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from litestar import Request, Response, delete, get
+from litestar.datastructures import State
+
+from gateway.errors import AuthenticationError, NotFoundError
+from gateway.store import ConversationKey
+
+
+def _authorize(request: Request, state: State) -> None:
+    key = state.settings.admin_key
+    given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    if not key or not hmac.compare_digest(given.encode(), key.encode()):
+        raise AuthenticationError("a valid admin key is required")
+
+
+@get("/admin/conversations/{session_id:str}")
+async def get_conversation(session_id: str, request: Request, state: State) -> dict[str, Any]:
+    _authorize(request, state)
+    found = await state.admin.describe(ConversationKey(state.tenant, session_id))
+    if found is None:
+        raise NotFoundError("no such conversation")
+    return found
+
+
+@delete("/admin/conversations/{session_id:str}", status_code=200)
+async def delete_conversation(session_id: str, request: Request, state: State) -> Response:
+    _authorize(request, state)
+    if not await state.admin.delete(ConversationKey(state.tenant, session_id)):
+        raise NotFoundError("no such conversation")
+    return Response({"deleted": session_id})
+
+
+@get("/admin/engines")
+async def engines(request: Request, state: State) -> dict[str, Any]:
+    _authorize(request, state)
+    return {"engines": [
+        {"url": e.url, "role": e.role, "healthy": e.healthy, "outstanding_requests": e.outstanding_requests,
+         "outstanding_prompt_tokens": e.outstanding_tokens, **e.info}
+        for pool in (state.runner.prefill_pool, state.runner.decode_pool) for e in pool.engines.values()]}
+
+
+ADMIN_ROUTES = [get_conversation, delete_conversation, engines]
