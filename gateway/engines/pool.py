@@ -6,6 +6,7 @@ conversation's D (the one holding its KV) is kept while it is healthy and under 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ class EnginePool:
     def __init__(self, role: Role, urls: list[str]) -> None:
         self.role = role
         self.engines: dict[str, Engine] = {u.rstrip("/"): Engine(u.rstrip("/"), role) for u in urls}
+        self._rotation = itertools.count()
 
     def get(self, url: str | None) -> Engine | None:
         return self.engines.get(url) if url else None
@@ -58,7 +60,9 @@ class EnginePool:
         return min(candidates, key=lambda e: e.outstanding_requests)
 
     def _candidates(self) -> list[Engine]:
+        """Healthy engines, rotated on every call so that ties in load are broken round-robin."""
         candidates = self.healthy()
         if not candidates:
             raise EngineUnavailableError(f"no healthy {self.role} engine")
-        return candidates
+        start = next(self._rotation) % len(candidates)
+        return candidates[start:] + candidates[:start]
