@@ -7,9 +7,11 @@
     │   ├── NotFoundError            404 not_found
     │   ├── ModelNotFoundError       404 model_not_found
     │   └── RequestTooLargeError     413 request_too_large
+    ├── OverloadedError              429 rate_limit_exceeded, with Retry-After: the gateway is at its bounds
     └── UpstreamError                5xx: an engine failed; the request may succeed later
         ├── EngineFailedError        502 upstream_error: an engine answered with an error or garbage
         ├── EngineUnavailableError   503 engine_unavailable: no healthy engine, or it refused the connection
+        │   └── EngineConnectError   the connection was refused: the engine never saw the request
         └── EngineTimeoutError       504 upstream_timeout: an engine missed its deadline
 
 Engine bodies, hosts and ports never appear in `message`: they stay in the logs.
@@ -23,10 +25,11 @@ class GatewayError(Exception):
     type: str = "internal_error"
     code: str = "internal_error"
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
+    def __init__(self, message: str, *, param: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -63,6 +66,12 @@ class RequestTooLargeError(ClientError):
     code = "request_too_large"
 
 
+class OverloadedError(GatewayError):
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+
 class UpstreamError(GatewayError):
     status = 502
     type = "upstream_error"
@@ -76,6 +85,10 @@ class EngineFailedError(UpstreamError):
 class EngineUnavailableError(UpstreamError):
     status = 503
     code = "engine_unavailable"
+
+
+class EngineConnectError(EngineUnavailableError):
+    pass
 
 
 class EngineTimeoutError(UpstreamError):

@@ -14,13 +14,14 @@ log = logging.getLogger("gateway.api")
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 429: "rate_limited"}
 
 
-def error_response(status: int, message: str, type_: str, code: str, param: str | None = None) -> Response:
+def error_response(status: int, message: str, type_: str, code: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> Response:
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return Response(body, status_code=status, media_type="application/json")
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
 
 
 def gateway_error(_: Request, exc: GatewayError) -> Response:
-    return error_response(exc.status, exc.message, exc.type, exc.code, exc.param)
+    return error_response(exc.status, exc.message, exc.type, exc.code, exc.param, exc.headers)
 
 
 def http_error(_: Request, exc: HTTPException) -> Response:

@@ -14,6 +14,7 @@ import msgspec
 
 from gateway.engines import sse
 from gateway.errors import (
+    EngineConnectError,
     EngineFailedError,
     EngineTimeoutError,
     EngineUnavailableError,
@@ -125,6 +126,8 @@ def _engine_message(payload: bytes) -> str:
 
 
 def _connection_error(exc: aiohttp.ClientError) -> GatewayError:
-    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ServerDisconnectedError):
-        return EngineUnavailableError("engine unreachable")
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return EngineConnectError("engine unreachable")         # refused: the request was never sent
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return EngineUnavailableError("engine went away")       # it may have seen the request
     return EngineFailedError("engine connection failed")

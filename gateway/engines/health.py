@@ -1,9 +1,11 @@
-"""Active health checks: poll every engine's `/health`, keep `Engine.healthy` and the gauge current."""
+"""Active health checks: poll every engine's `/health`, keep `Engine.healthy` and the gauge current.
+Passive ejection (consecutive request failures) is the circuit breaker in pool.py."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from gateway.engines.client import EngineClient
 from gateway.engines.pool import EnginePool
@@ -20,9 +22,12 @@ class HealthChecker:
     async def check_all(self) -> None:
         engines = [e for pool in self._pools for e in pool.engines.values()]
         results = await asyncio.gather(*(self._probe(e.url) for e in engines))
+        now = time.monotonic()
         for engine, ok in zip(engines, results, strict=True):
             if ok != engine.healthy:
                 log.warning("engine %s (%s) is now %s", engine.url, engine.role, "healthy" if ok else "unhealthy")
+                if ok:
+                    engine.readmit(now)      # back in rotation, but taking traffic gradually
             engine.healthy = ok
             self._metrics.engine_healthy.labels(engine.role, engine.url).set(int(ok))
 
