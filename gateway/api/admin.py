@@ -9,6 +9,7 @@ from typing import Any
 from litestar import Request, Response, delete, get
 from litestar.datastructures import State
 
+from gateway.config import DEFAULT_TENANT
 from gateway.errors import AuthenticationError, NotFoundError
 from gateway.store import ConversationKey
 
@@ -21,18 +22,20 @@ def _authorize(request: Request, state: State) -> None:
 
 
 @get("/admin/conversations/{session_id:str}")
-async def get_conversation(session_id: str, request: Request, state: State) -> dict[str, Any]:
+async def get_conversation(session_id: str, request: Request, state: State,
+                           tenant: str = DEFAULT_TENANT) -> dict[str, Any]:
     _authorize(request, state)
-    found = await state.admin.describe(ConversationKey(state.tenant, session_id))
+    found = await state.admin.describe(ConversationKey(tenant, session_id))
     if found is None:
         raise NotFoundError("no such conversation")
     return found
 
 
 @delete("/admin/conversations/{session_id:str}", status_code=200)
-async def delete_conversation(session_id: str, request: Request, state: State) -> Response:
+async def delete_conversation(session_id: str, request: Request, state: State,
+                              tenant: str = DEFAULT_TENANT) -> Response:
     _authorize(request, state)
-    if not await state.admin.delete(ConversationKey(state.tenant, session_id)):
+    if not await state.admin.delete(ConversationKey(tenant, session_id)):
         raise NotFoundError("no such conversation")
     return Response({"deleted": session_id})
 

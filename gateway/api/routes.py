@@ -21,20 +21,23 @@ MAX_SESSION_CHARS = 256
 
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request, state: State) -> Response:
+    tenant = state.api_keys.tenant_for(request.headers.get("authorization"))
     body, parsed = parse(await request.body(), ChatRequest)
     turn = state.intake.chat(body, parsed, _request_id(request))
-    return _respond(await state.runner.run(turn, _session(request, body, state)))
+    return _respond(await state.runner.run(turn, _session(request, body, state, tenant)))
 
 
 @post("/v1/completions", status_code=200)
 async def completions(request: Request, state: State) -> Response:
+    tenant = state.api_keys.tenant_for(request.headers.get("authorization"))
     body, parsed = parse(await request.body(), CompletionRequest)
     turn = state.intake.completion(body, parsed, _request_id(request))
-    return _respond(await state.runner.run(turn, _session(request, body, state)))
+    return _respond(await state.runner.run(turn, _session(request, body, state, tenant)))
 
 
 @get("/v1/models")
-async def models(state: State) -> dict[str, Any]:
+async def models(request: Request, state: State) -> dict[str, Any]:
+    state.api_keys.tenant_for(request.headers.get("authorization"))
     return {"object": "list", "data": [
         {"id": name, "object": "model", "owned_by": "pd-gateway"} for name in state.intake.served_models]}
 
@@ -69,8 +72,9 @@ def _request_id(request: Request) -> str:
     return given if given and _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
 
 
-def _session(request: Request, body: dict[str, Any], state: State) -> ConversationKey | None:
-    """Header first (name configurable), else body `conversation_id` / `session_id`. None: stateless."""
+def _session(request: Request, body: dict[str, Any], state: State, tenant: str) -> ConversationKey | None:
+    """Header first (name configurable), else body `conversation_id` / `session_id`, within the caller's
+    tenant: the same session id under another API key is another conversation. None: stateless."""
     session = request.headers.get(state.settings.session_header) or body.get("conversation_id") \
         or body.get("session_id")
     if session is None:
@@ -78,4 +82,4 @@ def _session(request: Request, body: dict[str, Any], state: State) -> Conversati
     if not isinstance(session, str) or not 0 < len(session) <= MAX_SESSION_CHARS:
         raise InvalidRequestError(f"session id must be a string of 1..{MAX_SESSION_CHARS} characters",
                                   param="session_id")
-    return ConversationKey(state.tenant, session)
+    return ConversationKey(tenant, session)

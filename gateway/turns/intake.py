@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.errors import ModelNotFoundError
+from gateway.errors import InvalidRequestError, ModelNotFoundError
 from gateway.turns.legs import Endpoint, TurnRequest
 from gateway.turns.render import Renderer
 
@@ -13,9 +13,10 @@ _STRIPPED = ("kv_transfer_params", "conversation_id", "session_id", "request_id"
 
 
 class Intake:
-    def __init__(self, renderer: Renderer, served_models: list[str]) -> None:
+    def __init__(self, renderer: Renderer, served_models: list[str], max_messages: int = 4096) -> None:
         self.renderer = renderer
         self.served_models = served_models
+        self.max_messages = max_messages
 
     def model_for(self, requested: str | None) -> str:
         if not self.served_models:
@@ -27,6 +28,8 @@ class Intake:
         return requested
 
     def chat(self, body: dict[str, Any], req: Any, request_id: str) -> TurnRequest:
+        if len(req.messages) > self.max_messages:
+            raise InvalidRequestError(f"at most {self.max_messages} messages are accepted", param="messages")
         model = self.model_for(req.model)
         ids = self.renderer.render_chat(
             body["messages"], tools=body.get("tools"), add_generation_prompt=req.add_generation_prompt,

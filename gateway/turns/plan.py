@@ -28,6 +28,8 @@ class Reason(StrEnum):
     DECODE_UNAVAILABLE = "decode_unavailable"
     STORE_UNAVAILABLE = "store_unavailable"
     PARITY_VIOLATION = "parity_violation"
+    PREFILL_FAILED = "prefill_failed"          # a P leg failed and was redone on another P without a handle
+    DECODE_FAILED = "decode_failed"            # a D leg failed before its first byte; P was redone afresh
     HANDLE_NOT_STREAMED = "handle_not_streamed"
     MODEL_CHANGED = "model_changed"
     HANDLE_SHAPE = "handle_shape"

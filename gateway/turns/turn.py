@@ -1,13 +1,18 @@
-"""One turn, top to bottom: plan, P leg, D leg, relay, record. Read this file to know what a request does."""
+"""One turn, top to bottom: admit, plan, P leg, D leg, relay, record. Read this file to know what a request does.
+
+Retries only where safe: an engine that refused the connection never saw the request, so the same leg goes
+to another engine unchanged; any other failure may have consumed a handle, so P is redone without one.
+Nothing is retried once the client has received a byte.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -15,18 +20,22 @@ from gateway.config import Settings
 from gateway.engines import sse
 from gateway.engines.client import EngineClient, EngineStream
 from gateway.engines.pool import Engine, EnginePool
-from gateway.errors import GatewayError
+from gateway.errors import EngineConnectError, GatewayError, UpstreamError
 from gateway.store import Conversation, ConversationKey, ConversationStore, StoreUnavailableError, TurnStart
-from gateway.telemetry import Metrics
+from gateway.telemetry import Metrics, log_turn
+from gateway.tracing import NO_TRACING, NO_TURN, Tracing, TurnTrace
 from gateway.turns import plan as plans
+from gateway.turns.admission import Admission, Ticket
 from gateway.turns.continuity import Fingerprint
 from gateway.turns.legs import DecodeCapture, TurnRequest, decode_body, prefill_body, prompt_ids_of
 from gateway.turns.plan import Plan, Reason
+from gateway.turns.release import HandleReleaser
 from gateway.turns.restream import restream
 
 log = logging.getLogger("gateway.turn")
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
+T = TypeVar("T")
 
 
 @dataclass
@@ -41,39 +50,49 @@ class _Turn:
     """Everything one turn carries from planning to recording."""
     req: TurnRequest
     session: ConversationKey | None
-    start: TurnStart | None
-    plan: Plan
-    prefill: Engine
-    decode: Engine
+    ticket: Ticket
     began: float
+    start: TurnStart | None = None
+    plan: Plan = field(default_factory=lambda: plans.full(Reason.NO_SESSION))
+    prefill: Engine | None = None
+    decode: Engine | None = None
+    prefill_handle: dict[str, Any] | None = None
+    retries_left: int = 0
+    failed: set[str] = field(default_factory=set)     # engines that failed this turn: not picked again
+    trace: TurnTrace = NO_TURN                         # its spans, when tracing is on
+
+    def retry_after(self, error: GatewayError, engine: Engine) -> None:
+        """Spend one retry on `engine`'s failure, or give up with its error."""
+        self.trace.leg_failed(error)
+        self.failed.add(engine.url)
+        if self.retries_left <= 0:
+            raise error
+        self.retries_left -= 1
 
 
 class TurnRunner:
     def __init__(self, *, client: EngineClient, prefill: EnginePool, decode: EnginePool,
                  store: ConversationStore, metrics: Metrics, settings: Settings, block_size: int,
-                 served_model: str) -> None:
+                 served_model: str, tracing: Tracing = NO_TRACING) -> None:
         self.client, self.prefill_pool, self.decode_pool = client, prefill, decode
         self.store, self.metrics, self.settings, self.block_size = store, metrics, settings, block_size
-        self.served_model = served_model
-        self._background: set[asyncio.Task] = set()
+        self.admission = Admission(settings.max_concurrent_turns, settings.max_queued_prompt_tokens)
+        self.releaser = HandleReleaser(client, prefill, metrics, served_model)
+        self.tracing = tracing
 
     async def run(self, req: TurnRequest, session: ConversationKey | None) -> TurnReply:
-        began = time.perf_counter()
-        start, plan = await self._plan(req, session)
-        record = start.record if start else None
-        turn = _Turn(req, session, start, plan, self.prefill_pool.pick_prefill(),
-                     self.decode_pool.pick_decode(record.decode_engine if record else None,
-                                                  self.settings.decode_load_bound), began)
-        self._observe("plan", began)
-        if plan.release:
-            self.release(plan.release, plan.reason.value)
+        turn = _Turn(req, session, self.admission.admit(len(req.prompt_ids)), time.perf_counter(),
+                     retries_left=self.settings.max_retries)
+        turn.trace = self.tracing.turn(req)
         try:
-            prefill_handle = await self._prefill_leg(turn)
-            body = decode_body(req, prefill_handle)
-            if req.stream and self.settings.stream_handle_policy == "miss":
-                return await self._stream_decode(turn, body)
-            return await self._json_decode(turn, body)
+            turn.start, turn.plan = await self._plan(req, session)
+            self._observe("plan", turn.began)
+            if turn.plan.release:
+                self.releaser.release(turn.plan.release, turn.plan.reason.value)
+            await self._prefill_leg(turn)
+            return await self._decode_leg(turn)
         except BaseException:
+            turn.ticket.close()
             await self._abandon(turn)
             raise
 
@@ -101,65 +120,83 @@ class TurnRunner:
         held = Fingerprint(record.block_size, record.held_tokens, record.block_hashes, record.prefix_hash)
         return plans.plan_with_handle(req.prompt_ids, held, start.handle)
 
-    # -- legs ----------------------------------------------------------------------------------------
-    async def _prefill_leg(self, turn: _Turn) -> dict[str, Any] | None:
+    # -- P leg ---------------------------------------------------------------------------------------
+    async def _prefill_leg(self, turn: _Turn) -> None:
         began = time.perf_counter()
-        response = await self._call_prefill(turn, turn.plan.prefill_params)
+        response = await self._call_prefill(turn)
         if turn.plan.handle is not None and prompt_ids_of(response) not in (None, turn.req.prompt_ids):
             # P ran on other tokens than the ones verified: its read of D's KV is garbage. Redo it without.
             log.warning("parity violation on %s: P's prompt differs from the rendered one", turn.req.request_id)
             turn.plan = plans.full(Reason.PARITY_VIOLATION)
-            response = await self._call_prefill(turn, turn.plan.prefill_params)
+            response = await self._call_prefill(turn)
+        turn.prefill_handle = response.get("kv_transfer_params")
+        turn.ticket.prefilled()
         self._observe("prefill", began)
-        return response.get("kv_transfer_params")
 
-    async def _call_prefill(self, turn: _Turn, params: dict[str, Any]) -> dict[str, Any]:
-        with turn.prefill.track(len(turn.req.prompt_ids)):
+    async def _call_prefill(self, turn: _Turn) -> dict[str, Any]:
+        while True:
+            turn.prefill = self.prefill_pool.pick_prefill(exclude=frozenset(turn.failed))
+            body = prefill_body(turn.req, turn.plan.prefill_params)
             try:
-                return await self.client.post_json(
-                    turn.prefill.url, turn.req.endpoint, prefill_body(turn.req, params),
-                    timeout_s=self.settings.prefill_timeout_s, headers=self._headers(turn.req))
-            except GatewayError as exc:
-                self.metrics.upstream_errors.labels("prefill", exc.code).inc()
-                raise
+                return await self._leg(turn.prefill, self.client.post_json(
+                    turn.prefill.url, turn.req.endpoint, body, timeout_s=self.settings.prefill_timeout_s,
+                    headers=self._headers(turn, "prefill")), len(turn.req.prompt_ids))
+            except EngineConnectError as exc:
+                turn.retry_after(exc, turn.prefill)      # P never saw it: the same plan, another P
+            except UpstreamError as exc:
+                turn.retry_after(exc, turn.prefill)      # P may have consumed D's handle: no handle now
+                if turn.plan.handle is not None:
+                    turn.plan = plans.full(Reason.PREFILL_FAILED)
 
-    async def _json_decode(self, turn: _Turn, body: dict[str, Any]) -> TurnReply:
+    # -- D leg ---------------------------------------------------------------------------------------
+    async def _decode_leg(self, turn: _Turn) -> TurnReply:
+        record = turn.start.record if turn.start else None
+        while True:
+            turn.decode = self.decode_pool.pick_decode(
+                record.decode_engine if record else None, self.settings.decode_load_bound,
+                exclude=frozenset(turn.failed))
+            try:
+                if turn.req.stream and self.settings.stream_handle_policy == "miss":
+                    return await self._stream_decode(turn)
+                return await self._json_decode(turn)
+            except EngineConnectError as exc:
+                turn.retry_after(exc, turn.decode)       # D never saw P's handle: it is still good
+            except UpstreamError as exc:
+                turn.retry_after(exc, turn.decode)       # D may have read P's blocks: prefill afresh
+                turn.plan = plans.full(Reason.DECODE_FAILED)
+                await self._prefill_leg(turn)
+
+    async def _json_decode(self, turn: _Turn) -> TurnReply:
         began = time.perf_counter()
+        body = decode_body(turn.req, turn.prefill_handle)
         body["stream"] = False
         body.pop("stream_options", None)
-        with turn.decode.track():
-            try:
-                response = await self.client.post_json(
-                    turn.decode.url, turn.req.endpoint, body, timeout_s=self.settings.decode_first_byte_timeout_s,
-                    headers=self._headers(turn.req))
-            except GatewayError as exc:
-                self.metrics.upstream_errors.labels("decode", exc.code).inc()
-                raise
+        response = await self._leg(turn.decode, self.client.post_json(
+            turn.decode.url, turn.req.endpoint, body, timeout_s=self.settings.decode_first_byte_timeout_s,
+            headers=self._headers(turn, "decode")))
         self._observe("decode_ttft", began)
         capture = DecodeCapture()
         view = capture.take(response, turn.req.want_token_ids)
-        await self._record(turn, capture)
+        try:
+            await self._record(turn, capture)
+        finally:
+            turn.ticket.close()
         if turn.req.stream:      # policy "buffer": the client asked for a stream; re-stream the whole answer
             return TurnReply(self._reply_headers(turn), stream=restream(view, turn.req))
         return TurnReply(self._reply_headers(turn), body=_encode(view))
 
-    async def _stream_decode(self, turn: _Turn, body: dict[str, Any]) -> TurnReply:
-        turn.decode.outstanding_requests += 1
-        try:
-            stream = await self.client.open_stream(
-                turn.decode.url, turn.req.endpoint, body,
-                first_byte_timeout_s=self.settings.decode_first_byte_timeout_s,
-                idle_timeout_s=self.settings.decode_idle_timeout_s, headers=self._headers(turn.req))
-        except GatewayError as exc:
-            turn.decode.outstanding_requests -= 1
-            self.metrics.upstream_errors.labels("decode", exc.code).inc()
-            raise
+    async def _stream_decode(self, turn: _Turn) -> TurnReply:
+        body = decode_body(turn.req, turn.prefill_handle)
+        stream = await self._leg(turn.decode, self.client.open_stream(
+            turn.decode.url, turn.req.endpoint, body,
+            first_byte_timeout_s=self.settings.decode_first_byte_timeout_s,
+            idle_timeout_s=self.settings.decode_idle_timeout_s, headers=self._headers(turn, "decode")))
         return TurnReply(self._reply_headers(turn), stream=self._relay(turn, stream))
 
     async def _relay(self, turn: _Turn, stream: EngineStream) -> AsyncIterator[bytes]:
         """Pass D's SSE events through as they come, minus engine internals; record before `[DONE]`."""
-        capture, began, first = DecodeCapture(), time.perf_counter(), True
-        recorded = False
+        capture, began, first, recorded = DecodeCapture(), time.perf_counter(), True, False
+        turn.decode.outstanding_requests += 1
         try:
             while (event := await stream.next_event()) is not None:
                 if first:
@@ -174,31 +211,29 @@ class TurnRunner:
             recorded = True
             yield sse.frame(sse.DONE)
         except GatewayError as exc:
+            # After the first byte nothing is retried: an OpenAI-shaped error event, then [DONE].
             self.metrics.upstream_errors.labels("decode", exc.code).inc()
+            turn.decode.failed()
             yield sse.frame(_encode(exc.body()))
             yield sse.frame(sse.DONE)
         finally:
             stream.close()           # on client disconnect too: closing the connection aborts the request on D
             turn.decode.outstanding_requests -= 1
+            turn.ticket.close()
             if not recorded:
                 await _shielded(self._abandon(turn))
 
     # -- outcome -------------------------------------------------------------------------------------
     async def _record(self, turn: _Turn, capture: DecodeCapture) -> None:
-        self.metrics.turns.labels(turn.plan.kind.value, turn.plan.reason.value).inc()
-        reused = min(turn.plan.reused_tokens, len(turn.req.prompt_ids))
-        self.metrics.prompt_tokens.labels("reused").inc(reused)
-        self.metrics.prompt_tokens.labels("computed").inc(len(turn.req.prompt_ids) - reused)
-        self._observe("total", turn.began)
+        self._count(turn)
         handle = self._verified_handle(capture)
         if turn.session is None or turn.start is None or not capture.finished:
             if handle:
-                self.release(handle, "unused")
+                self.releaser.release(handle, "unused")
             return
         now = time.time()
         tokens = (capture.prompt_ids or []) + capture.output_ids
-        held = handle["remote_num_tokens"] if handle else 0
-        fingerprint = Fingerprint.of(tokens, held, self.block_size)
+        fingerprint = Fingerprint.of(tokens, handle["remote_num_tokens"] if handle else 0, self.block_size)
         previous = turn.start.record
         record = Conversation(
             decode_engine=turn.decode.url, prefill_engine=turn.prefill.url, model=turn.req.model,
@@ -212,7 +247,18 @@ class TurnRunner:
         except StoreUnavailableError:
             stored = False
         if handle and not stored:
-            self.release(handle, "superseded")
+            self.releaser.release(handle, "superseded")
+
+    def _count(self, turn: _Turn) -> None:
+        plan, prompt = turn.plan, len(turn.req.prompt_ids)
+        self.metrics.turns.labels(plan.kind.value, plan.reason.value).inc()
+        reused = min(plan.reused_tokens, prompt)
+        self.metrics.prompt_tokens.labels("reused").inc(reused)
+        self.metrics.prompt_tokens.labels("computed").inc(prompt - reused)
+        self._observe("total", turn.began)
+        turn.trace.finish(plan, reused, prompt - reused)
+        log_turn(log, request_id=turn.req.request_id, plan=plan.kind.value, reason=plan.reason.value,
+                 reused=reused, computed=prompt - reused, seconds=round(time.perf_counter() - turn.began, 4))
 
     def _verified_handle(self, capture: DecodeCapture) -> dict[str, Any] | None:
         """Keep D's handle only if D told us exactly which tokens it holds (prompt + output - 1)."""
@@ -222,12 +268,15 @@ class TurnRunner:
         if handle.get("remote_num_tokens") != len(capture.prompt_ids) + len(capture.output_ids) - 1:
             log.warning("D handle covers %s tokens, expected prompt+output-1: not stored",
                         handle.get("remote_num_tokens"))
-            self.release(handle, "unverifiable")
+            self.releaser.release(handle, "unverifiable")
             return None
         return handle
 
     async def _abandon(self, turn: _Turn) -> None:
         """A failed turn stores nothing new, but marks itself finished so later turns are not 'concurrent'."""
+        turn.trace.fail(turn.plan)
+        log_turn(log, request_id=turn.req.request_id, plan=turn.plan.kind.value, reason=turn.plan.reason.value,
+                 outcome="failed")
         if turn.session is None or turn.start is None:
             return
         self.metrics.turns.labels(turn.plan.kind.value, turn.plan.reason.value).inc()
@@ -238,29 +287,28 @@ class TurnRunner:
             pass
 
     def release(self, handle: dict[str, Any], why: str) -> None:
-        """Free D's pinned blocks now rather than at their TTL: a zero-token read through any P."""
-        self.metrics.handles_released.labels(why).inc()
-        task = asyncio.get_running_loop().create_task(self._release(handle))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _release(self, handle: dict[str, Any]) -> None:
-        try:
-            engine = self.prefill_pool.pick_prefill()
-            body = {"model": self.served_model, "prompt": [0], "max_tokens": 1, "stream": False,
-                    "kv_transfer_params": plans.release_params(handle)}
-            await self.client.post_json(engine.url, "/v1/completions", body,
-                                        timeout_s=self.settings.prefill_timeout_s)
-        except GatewayError as exc:
-            log.info("could not release a D handle (%s); D frees it at its TTL", exc.code)
+        self.releaser.release(handle, why)
 
     async def drain(self) -> None:
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+        await self.releaser.drain()
 
     # -- small things --------------------------------------------------------------------------------
-    def _headers(self, req: TurnRequest) -> dict[str, str]:
-        return {"X-Request-Id": req.request_id}
+    async def _leg(self, engine: Engine, call: Awaitable[T], prompt_tokens: int = 0) -> T:
+        """One engine call: counted as load while it runs, fed to the engine's circuit breaker after."""
+        with engine.track(prompt_tokens):
+            try:
+                result = await call
+            except UpstreamError as exc:
+                engine.failed()
+                self.metrics.upstream_errors.labels(engine.role, exc.code).inc()
+                raise
+        engine.succeeded()
+        return result
+
+    def _headers(self, turn: _Turn, leg: str) -> dict[str, str]:
+        """X-Request-Id for correlation; opens the leg's span, whose traceparent goes along when tracing is on."""
+        engine = turn.prefill if leg == "prefill" else turn.decode
+        return {"X-Request-Id": turn.req.request_id, **turn.trace.leg(leg, engine.url, turn.plan).headers}
 
     def _reply_headers(self, turn: _Turn) -> dict[str, str]:
         headers = {"X-Request-Id": turn.req.request_id}
@@ -272,7 +320,7 @@ class TurnRunner:
     def _observe(self, phase: str, began: float) -> None:
         self.metrics.turn_seconds.labels(phase).observe(time.perf_counter() - began)
 
-    async def _timed_store(self, op: str, call):
+    async def _timed_store(self, op: str, call: Awaitable[T]) -> T:
         began = time.perf_counter()
         try:
             return await call
@@ -294,7 +342,7 @@ def _missing_note(req: TurnRequest, capture: DecodeCapture) -> str:
     return Reason.HANDLE_NOT_STREAMED.value if req.stream and capture.finished else ""
 
 
-async def _shielded(coro) -> None:
+async def _shielded(coro: Awaitable[None]) -> None:
     try:
         await asyncio.shield(coro)
     except (asyncio.CancelledError, Exception):  # a dying stream must not raise from its cleanup

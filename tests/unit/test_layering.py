@@ -15,7 +15,7 @@ ALLOWED = {
     "store": set(),
     "sim": set(),
 }
-LEAVES = {"errors", "config", "telemetry"}
+LEAVES = {"errors", "config", "telemetry", "tracing"}
 FOREIGN_BANS = {  # third-party modules a package must not touch
     "api": {"redis", "aiohttp", "httpx", "transformers"},
     "turns": {"litestar", "redis"},

@@ -1,0 +1,78 @@
+"""Routing steps and bounds, table-driven: filter (health, breaker), score (load, ramp), pick; admission."""
+
+import pytest
+
+from gateway.engines import pool as pool_module
+from gateway.engines.pool import EnginePool
+from gateway.errors import EngineUnavailableError, OverloadedError
+from gateway.turns.admission import Admission
+
+
+def pool(n: int = 3) -> EnginePool:
+    return EnginePool("decode", [f"http://d{i}" for i in range(n)])
+
+
+def test_least_loaded_with_round_robin_ties():
+    p = pool()
+    assert len({p.pick_decode().url for _ in range(3)}) == 3
+    p.engines["http://d0"].outstanding_requests = 0
+    p.engines["http://d1"].outstanding_requests = 5
+    p.engines["http://d2"].outstanding_requests = 5
+    assert {p.pick_decode().url for _ in range(5)} == {"http://d0"}
+
+
+def test_affinity_holds_until_the_load_bound():
+    p = pool()
+    p.engines["http://d1"].outstanding_requests = 3
+    assert p.pick_decode("http://d1", load_bound=4).url == "http://d1"
+    assert p.pick_decode("http://d1", load_bound=3).url != "http://d1"
+
+
+def test_unhealthy_and_excluded_engines_are_filtered():
+    p = pool(2)
+    p.engines["http://d0"].healthy = False
+    assert p.pick_decode("http://d0").url == "http://d1"
+    with pytest.raises(EngineUnavailableError):
+        p.pick_decode(exclude=frozenset({"http://d1"}))
+
+
+def test_breaker_ejects_after_consecutive_failures_then_half_opens(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(pool_module.time, "monotonic", lambda: now[0])
+    p = pool(2)
+    d0 = p.engines["http://d0"]
+    for _ in range(pool_module.FAILURES_TO_EJECT):
+        d0.failed()
+    assert {p.pick_decode().url for _ in range(4)} == {"http://d1"}
+    now[0] += pool_module.EJECT_COOLDOWN_S
+    with d0.track():                                     # half-open: one trial request at a time
+        assert not d0.available(now[0])
+        d0.succeeded()
+    assert d0.available(now[0]) and d0.ramp(now[0]) == 1.0
+
+
+def test_readmitted_engine_takes_traffic_gradually(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(pool_module.time, "monotonic", lambda: now[0])
+    p = pool(2)
+    p.engines["http://d0"].readmit(now[0])
+    p.engines["http://d1"].outstanding_requests = 4
+    assert p.pick_decode().url == "http://d1"            # d0 counts as 8 busy right after re-admission
+    now[0] += pool_module.RAMP_S * 0.75
+    assert p.pick_decode().url == "http://d0"            # 2 virtual requests < 4 real ones
+
+
+def test_admission_bounds_turns_and_queued_tokens():
+    admission = Admission(max_turns=2, max_queued_tokens=100)
+    first = admission.admit(60)
+    with pytest.raises(OverloadedError) as err:
+        admission.admit(50)
+    assert err.value.status == 429 and err.value.headers["Retry-After"]
+    first.prefilled()
+    second = admission.admit(50)
+    with pytest.raises(OverloadedError):
+        admission.admit(1)
+    first.close()
+    first.close()                                        # idempotent
+    second.close()
+    assert (admission.turns, admission.queued_tokens) == (0, 0)
