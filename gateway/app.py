@@ -10,60 +10,69 @@ from typing import Any
 
 import aiohttp
 from litestar import Litestar
+from litestar.datastructures import State
 
 from gateway.api.admin import ADMIN_ROUTES
+from gateway.api.auth import ApiKeys
 from gateway.api.errors import HANDLERS
 from gateway.api.routes import ROUTES
-from gateway.config import DEFAULT_TENANT, Settings
+from gateway.config import Settings
 from gateway.engines.client import EngineClient
 from gateway.engines.health import HealthChecker
 from gateway.engines.pool import EnginePool
-from gateway.engines.probe import probe
-from gateway.store import ConversationStore, MemoryConversationStore, RedisConversationStore
+from gateway.startup import gather as startup_report
+from gateway.startup import log_report, open_store
+from gateway.store import ConversationStore
 from gateway.telemetry import Metrics
+from gateway.tracing import Tracing, start_tracing
 from gateway.turns.conversations import ConversationAdmin
 from gateway.turns.intake import Intake
 from gateway.turns.render import Renderer
 from gateway.turns.turn import TurnRunner
 
 log = logging.getLogger("gateway")
-DEFAULT_BLOCK_SIZE = 16
 
 
-def create_app(settings: Settings) -> Litestar:
+def create_app(settings: Settings, tracing: Tracing | None = None) -> Litestar:
+    """`tracing`: defaults to what the settings ask for; tests pass one with an in-memory exporter."""
     if not settings.prefill or not settings.decode:
         raise ValueError("at least one --prefill and one --decode engine are needed")
+    tracing = tracing or start_tracing(settings.tracing, settings.otlp_endpoint)
     return Litestar(
         route_handlers=[*ROUTES, *ADMIN_ROUTES],
         exception_handlers=HANDLERS,
-        lifespan=[lambda app: _lifespan(app, settings)],
+        state=State({"api_keys": ApiKeys.from_settings(settings)}),
+        middleware=tracing.middleware(),
+        lifespan=[lambda app: _lifespan(app, settings, tracing)],
         request_max_body_size=settings.max_body_bytes,
+        logging_config=None,         # telemetry.setup_logging owns the root logger (text or JSON)
         openapi_config=None,
         debug=False,
     )
 
 
 @contextlib.asynccontextmanager
-async def _lifespan(app: Litestar, settings: Settings) -> AsyncIterator[None]:
+async def _lifespan(app: Litestar, settings: Settings, tracing: Tracing) -> AsyncIterator[None]:
     state = app.state
-    state.settings, state.tenant, state.metrics = settings, DEFAULT_TENANT, Metrics()
+    state.settings, state.metrics = settings, Metrics()
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         client = EngineClient(session)
         prefill, decode = EnginePool("prefill", settings.prefill), EnginePool("decode", settings.decode)
-        store = _store(settings)
+        store = open_store(settings)
         health = HealthChecker(client, [prefill, decode], state.metrics, settings.health_interval_s)
         await health.check_all()
-        models, block_size = await _discover(client, prefill, decode, settings)
-        state.intake = Intake(Renderer(settings.tokenizer, settings.chat_template), models)
+        renderer = Renderer(settings.tokenizer, settings.chat_template)
+        report = await startup_report(client, prefill, decode, renderer, store, settings)
+        log_report(report)
+        models, block_size = report.models, report.block_size
+        state.intake = Intake(renderer, models)
         state.runner = TurnRunner(client=client, prefill=prefill, decode=decode, store=store,
                                   metrics=state.metrics, settings=settings, block_size=block_size,
-                                  served_model=models[0] if models else "")
+                                  served_model=models[0] if models else "", tracing=tracing)
         state.admin = ConversationAdmin(store, state.runner)
         state.readiness = lambda: _readiness(store, prefill, decode)
-        log.info("pd-gateway: %d prefill, %d decode engines; store %s; block size %d; models %s",
-                 len(prefill.engines), len(decode.engines), store.kind, block_size, models)
         checker = asyncio.create_task(health.run())
         try:
             yield
@@ -71,27 +80,7 @@ async def _lifespan(app: Litestar, settings: Settings) -> AsyncIterator[None]:
             checker.cancel()
             await state.runner.drain()
             await store.close()
-
-
-def _store(settings: Settings) -> ConversationStore:
-    if settings.redis_url:
-        return RedisConversationStore.from_url(settings.redis_url, conversation_ttl_s=settings.conversation_ttl_s)
-    log.info("conversation store: embedded (single process); pass --redis-url to share state between replicas")
-    return MemoryConversationStore(conversation_ttl_s=settings.conversation_ttl_s)
-
-
-async def _discover(client: EngineClient, prefill: EnginePool, decode: EnginePool,
-                    settings: Settings) -> tuple[list[str], int]:
-    engines = [*prefill.engines.values(), *decode.engines.values()]
-    infos = await asyncio.gather(*(probe(client, e) for e in engines))
-    models = [settings.model] if settings.model else next((i["models"] for i in infos if i.get("models")), [])
-    sizes = {i["block_size"] for i in infos if "block_size" in i}
-    if len(sizes) > 1:
-        log.error("engines disagree on KV block size %s: bidirectional transfer needs equal sizes", sizes)
-    block_size = settings.block_size or (min(sizes) if sizes else DEFAULT_BLOCK_SIZE)
-    if not settings.block_size and not sizes:
-        log.warning("no engine reported its KV block size; assuming %d", block_size)
-    return models, block_size
+            tracing.shutdown()
 
 
 async def _readiness(store: ConversationStore, prefill: EnginePool, decode: EnginePool) -> dict[str, Any]:

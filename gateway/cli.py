@@ -7,6 +7,7 @@ import sys
 import typing
 
 import msgspec
+import yaml
 
 from gateway import config
 from gateway.config import Settings
@@ -33,39 +34,63 @@ HELP = {
     "decode_first_byte_timeout_s": "D leg deadline for its first byte",
     "decode_idle_timeout_s": "D leg deadline between two streamed chunks",
     "health_interval_s": "engine health check period",
-    "log_level": "debug, info, warning, error",
+    "log_level": "debug, info, warning, error or critical",
+    "log_format": "text, or json: one JSON object per line (one line per turn at info level)",
+    "tracing": "OpenTelemetry spans per turn and leg: off, console (stderr) or otlp",
+    "otlp_endpoint": "OTLP/HTTP traces endpoint, e.g. http://collector:4318/v1/traces (turns tracing on: otlp)",
     "admin_key": "enables the admin API (/admin/*) for requests bearing this key",
+    "api_keys": "client API keys as TENANT:SHA256-HEX (repeatable); none: no authentication, one tenant",
+    "api_keys_file": "file of client API keys, one 'TENANT SHA256-HEX' per line",
+    "max_retries": "extra legs a turn may spend on engine failures before the first byte",
+    "max_concurrent_turns": "turns in flight above which new turns get 429",
+    "max_queued_prompt_tokens": "prompt tokens admitted but not yet prefilled above which new turns get 429",
+    "max_messages": "most messages a chat request may carry",
     "host": "listen address",
     "port": "listen port (0: any free port)",
 }
 
 
-def settings_parser(prog: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, argument_default=None)
-    parser.add_argument("--config", help="YAML or TOML settings file (flags > PDGW_* env > file > defaults)")
+NOT_SETTINGS = ("config", "port_file", "print_config", "json", "strict")
+
+
+def settings_parser(prog: str, description: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description, argument_default=None)
+    parser.add_argument("--config", help="YAML or TOML settings file, also PDGW_CONFIG "
+                                         "(precedence: flags > PDGW_* env > file > defaults)")
     parser.add_argument("--port-file", help="write the bound port here once listening (for supervisors and tests)")
     for field in msgspec.structs.fields(Settings):
         flag = "--" + field.name.replace("_", "-")
-        help_text = f"{HELP.get(field.name, '')} (default: {field.default!r})"
-        if field.type == list[str]:
+        kind = _plain(field.type)
+        env = config.ENV_PREFIX + field.name.upper()
+        help_text = f"{HELP.get(field.name, '')} (default: {field.default!r}; env {env})"
+        if kind == list[str]:
             parser.add_argument(flag, action="extend", nargs="+", dest=field.name, help=help_text)
-        elif field.type is bool:
+        elif kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, dest=field.name, help=help_text)
         else:
-            choices = typing.get_args(field.type) if typing.get_origin(field.type) is typing.Literal else None
-            parser.add_argument(flag, dest=field.name, choices=choices, type=_scalar(field.type), help=help_text)
+            choices = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
+            parser.add_argument(flag, dest=field.name, choices=choices, type=_scalar(kind), help=help_text)
     return parser
 
 
+def _plain(annotation: object) -> object:
+    """`Annotated[float, Meta(gt=0)]` → float (the constraint is checked by config.build, naming the setting)."""
+    return typing.get_args(annotation)[0] if typing.get_origin(annotation) is typing.Annotated else annotation
+
+
 def _scalar(annotation: object):
-    kinds = [a for a in typing.get_args(annotation) or (annotation,) if a is not type(None)]
+    kinds = [_plain(a) for a in typing.get_args(annotation) or (annotation,) if a is not type(None)]
     return kinds[0] if len(kinds) == 1 and kinds[0] in (int, float) else str
 
 
-def parse_settings(argv: list[str], prog: str) -> tuple[Settings, argparse.Namespace]:
-    args = settings_parser(prog).parse_args(argv)
-    flags = {k: v for k, v in vars(args).items() if k not in ("config", "port_file")}
-    return config.build(flags, args.config), args
+def parse_settings(argv: list[str], prog: str,
+                   parser: argparse.ArgumentParser | None = None) -> tuple[Settings, argparse.Namespace]:
+    args = (parser or settings_parser(prog)).parse_args(argv)
+    flags = {k: v for k, v in vars(args).items() if k not in NOT_SETTINGS}
+    try:
+        return config.build(flags, args.config), args
+    except config.ConfigError as exc:
+        raise SystemExit(f"{prog}: {exc}") from None
 
 
 def serve(argv: list[str]) -> None:
@@ -73,13 +98,38 @@ def serve(argv: list[str]) -> None:
     from gateway.serving import serve as run
     from gateway.telemetry import setup_logging
 
-    settings, args = parse_settings(argv, "pd-gateway serve")
-    setup_logging(settings.log_level)
+    parser = settings_parser("pd-gateway serve", "Run the gateway.")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the effective settings (secrets masked) as YAML and exit")
+    settings, args = parse_settings(argv, "pd-gateway serve", parser)
+    if args.print_config:
+        print(yaml.safe_dump(config.effective(settings), sort_keys=False), end="")
+        return
+    setup_logging(settings.log_level, settings.log_format)
     try:
         app = create_app(settings)
     except ValueError as exc:
         raise SystemExit(f"pd-gateway serve: {exc}") from None
     run(app, settings.host, settings.port, port_file=args.port_file, log_level=settings.log_level)
+
+
+def check(argv: list[str]) -> None:
+    import asyncio
+    import json
+
+    from gateway.startup import check as run_check
+    from gateway.telemetry import setup_logging
+
+    parser = settings_parser("pd-gateway check", "Probe the engines and the store, print the start-up report; "
+                                                 "exit 1 on a failing verdict.")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
+    settings, args = parse_settings(argv, "pd-gateway check", parser)
+    setup_logging("error", settings.log_format)
+    report = asyncio.run(run_check(settings))
+    print(json.dumps(report.to_dict(), indent=2) if args.json else "\n".join(report.lines()))
+    if report.verdict == "fail" or (args.strict and report.verdict == "warn"):
+        raise SystemExit(1)
 
 
 def migrate(argv: list[str]) -> None:
@@ -88,7 +138,11 @@ def migrate(argv: list[str]) -> None:
     from gateway.store.migrate import apply_migrations
 
     parser = argparse.ArgumentParser(prog="pd-gateway migrate", description="apply migrations/ to the Redis store")
-    parser.add_argument("--redis-url", default=config.from_env().get("redis_url"), required=False)
+    try:
+        default = config.from_env().get("redis_url")
+    except config.ConfigError as exc:
+        raise SystemExit(f"pd-gateway migrate: {exc}") from None
+    parser.add_argument("--redis-url", default=default, required=False)
     args = parser.parse_args(argv)
     if not args.redis_url:
         raise SystemExit("pd-gateway migrate: --redis-url (or PDGW_REDIS_URL) is required")
@@ -109,7 +163,13 @@ def main(argv: list[str] | None = None) -> None:
         from gateway.demo import main as demo_main
 
         demo_main(rest)
+    elif command == "hash-key":
+        from gateway.api.auth import digest
+
+        print(digest(sys.stdin.readline().strip()))
     elif command == "migrate":
         migrate(rest)
+    elif command == "check":
+        check(rest)
     else:
-        raise SystemExit("usage: pd-gateway {serve,demo,sim,migrate} ... (pd-gateway COMMAND --help)")
+        raise SystemExit("usage: pd-gateway {serve,check,demo,sim,migrate,hash-key} ... (pd-gateway COMMAND --help)")

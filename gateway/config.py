@@ -1,14 +1,19 @@
 """One settings object for the whole gateway, built from flags, environment (`PDGW_*`) or a YAML/TOML file.
 
-Precedence: flags > environment > file > defaults. Nothing here imports other gateway modules.
+Precedence: flags > environment > file > defaults. The file is `--config FILE` (or `PDGW_CONFIG`). Invalid
+configuration (a bad value, an unknown key or variable, a malformed URL) raises `ConfigError` naming the
+setting and where its value came from. Nothing here imports other gateway modules.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 import yaml
@@ -19,37 +24,77 @@ DEFAULT_SESSION_HEADER = "X-Session-Id"
 DEFAULT_DECODER_KV_BLOCKS_TTL_S = 480.0
 DEFAULT_HANDLE_TTL_MARGIN_S = 30.0
 DEFAULT_TENANT = "default"
+ENV_PREFIX = "PDGW_"
+CONFIG_ENV = "PDGW_CONFIG"       # names the settings file when --config is not given
+MASK = "***"
 
 StreamHandlePolicy = Literal["miss", "buffer"]
 HistoryTokens = Literal["rendered", "generated"]
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+LogFormat = Literal["text", "json"]
+TracingMode = Literal["off", "console", "otlp"]
+
+Seconds = Annotated[float, msgspec.Meta(gt=0)]            # a deadline or period: zero would never wait
+NonNegativeSeconds = Annotated[float, msgspec.Meta(ge=0)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message names the setting."""
 
 
 class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prefill: list[str] = []
     decode: list[str] = []
     host: str = "0.0.0.0"
-    port: int = DEFAULT_PORT
+    port: Port = DEFAULT_PORT
     redis_url: str | None = None
     tokenizer: str = DEFAULT_TOKENIZER
     chat_template: str | None = None
     model: str | None = None                      # served name; None: ask the engines
-    block_size: int | None = None                 # None: read vllm:cache_config_info from the engines
+    block_size: PositiveInt | None = None         # None: read vllm:cache_config_info from the engines
     session_header: str = DEFAULT_SESSION_HEADER
-    decoder_kv_blocks_ttl_s: float = DEFAULT_DECODER_KV_BLOCKS_TTL_S
-    handle_ttl_margin_s: float = DEFAULT_HANDLE_TTL_MARGIN_S
-    conversation_ttl_s: float = 86400.0
+    decoder_kv_blocks_ttl_s: NonNegativeSeconds = DEFAULT_DECODER_KV_BLOCKS_TTL_S
+    handle_ttl_margin_s: NonNegativeSeconds = DEFAULT_HANDLE_TTL_MARGIN_S
+    conversation_ttl_s: Seconds = 86400.0
     stream_handle_policy: StreamHandlePolicy = "miss"
     history_tokens: HistoryTokens = "rendered"
-    decode_load_bound: int = 64                    # outstanding requests above which affinity yields
+    decode_load_bound: PositiveInt = 64            # outstanding requests above which affinity yields
     pd_headers: bool = True                        # X-PD-Plan / X-PD-Reason / X-PD-Reused-Tokens
-    max_body_bytes: int = 8 * 1024 * 1024
-    connect_timeout_s: float = 2.0
-    prefill_timeout_s: float = 120.0
-    decode_first_byte_timeout_s: float = 120.0
-    decode_idle_timeout_s: float = 60.0
-    health_interval_s: float = 2.0
-    log_level: str = "info"
+    max_body_bytes: PositiveInt = 8 * 1024 * 1024
+    connect_timeout_s: Seconds = 2.0
+    prefill_timeout_s: Seconds = 120.0
+    decode_first_byte_timeout_s: Seconds = 120.0
+    decode_idle_timeout_s: Seconds = 60.0
+    health_interval_s: Seconds = 2.0
+    log_level: LogLevel = "info"
+    log_format: LogFormat = "text"
+    tracing: TracingMode = "off"
+    otlp_endpoint: str | None = None               # setting it turns tracing on ("otlp")
     admin_key: str | None = None                   # enables /admin/*; sent as "Authorization: Bearer KEY"
+    api_keys: list[str] = []                       # "TENANT:SHA256-HEX-OF-KEY"; none: open, one default tenant
+    api_keys_file: str | None = None               # one "TENANT SHA256-HEX" per line
+    max_retries: Annotated[int, msgspec.Meta(ge=0)] = 2   # extra legs a turn may spend on engine failures
+    max_concurrent_turns: PositiveInt = 1024
+    max_queued_prompt_tokens: PositiveInt = 4_000_000     # prompt tokens admitted but not yet prefilled
+    max_messages: PositiveInt = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "decode"):
+            for url in getattr(self, name):
+                _check_url(name, url, ("http", "https"))
+        if self.redis_url is not None:
+            _check_url("redis_url", self.redis_url, ("redis", "rediss", "unix"))
+        if self.otlp_endpoint is not None:
+            _check_url("otlp_endpoint", self.otlp_endpoint, ("http", "https"))
+            if self.tracing == "off":
+                self.tracing = "otlp"
+        if self.decoder_kv_blocks_ttl_s and self.handle_ttl_margin_s >= self.decoder_kv_blocks_ttl_s:
+            raise ValueError("handle_ttl_margin_s: must be smaller than decoder_kv_blocks_ttl_s, "
+                             "or no stored handle would ever be usable")
+        if not re.fullmatch(r"[A-Za-z0-9-]+", self.session_header):
+            raise ValueError(f"session_header: {self.session_header!r} is not an HTTP header name")
 
     @property
     def handle_ttl_s(self) -> float:
@@ -57,31 +102,116 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return max(0.0, self.decoder_kv_blocks_ttl_s - self.handle_ttl_margin_s)
 
 
-def load_file(path: str | Path) -> dict[str, Any]:
-    text = Path(path).read_text()
-    data = tomllib.loads(text) if str(path).endswith(".toml") else yaml.safe_load(text)
-    return {k.replace("-", "_"): v for k, v in (data or {}).items()}
+FIELDS: dict[str, Any] = {f.name: f.type for f in msgspec.structs.fields(Settings)}
+SECRETS = ("admin_key", "api_keys")
+URL_FIELDS = ("prefill", "decode", "redis_url", "otlp_endpoint")
 
 
-def from_env(environ: dict[str, str] | None = None) -> dict[str, Any]:
-    """PDGW_FOO_BAR=... → foo_bar; lists are comma-separated."""
-    environ = os.environ if environ is None else environ
-    fields = {f.name: f.type for f in msgspec.structs.fields(Settings)}
-    out: dict[str, Any] = {}
-    for key, value in environ.items():
-        name = key[5:].lower() if key.startswith("PDGW_") else None
-        if name in fields:
-            out[name] = value.split(",") if fields[name] == list[str] else value
+def _check_url(name: str, url: str, schemes: tuple[str, ...]) -> None:
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (raises ValueError on a malformed port)
+    except ValueError:
+        raise ValueError(f"{name}: {mask_url(url)!r} is not a valid URL") from None
+    if parts.scheme not in schemes or not (parts.hostname or parts.scheme == "unix" and parts.path):
+        raise ValueError(f"{name}: {mask_url(url)!r} is not a valid URL (scheme must be {' or '.join(schemes)})")
+
+
+def mask_url(url: str) -> str:
+    """`redis://user:secret@host/0` → `redis://user:***@host/0`: a password never reaches a log or a screen."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    netloc = f"{user}:{MASK}@{parts.netloc.rpartition('@')[2]}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def effective(settings: Settings) -> dict[str, Any]:
+    """The settings as `--print-config` shows them: every field, secrets masked."""
+    out = msgspec.to_builtins(settings)
+    for name in SECRETS:
+        if out.get(name):
+            out[name] = MASK
+    for name in URL_FIELDS:
+        value = out.get(name)
+        if isinstance(value, list):
+            out[name] = [mask_url(v) for v in value]
+        elif value:
+            out[name] = mask_url(value)
     return out
 
 
+# -- sources -----------------------------------------------------------------------------------------
+def load_file(path: str | Path) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+        data = tomllib.loads(text) if str(path).endswith(".toml") else yaml.safe_load(text)
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror}") from None
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"config file {path} is not valid {'TOML' if str(path).endswith('.toml') else 'YAML'}: "
+                          f"{exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of setting: value")
+    out = {str(k).replace("-", "_"): v for k, v in data.items()}
+    for key in out:
+        if key not in FIELDS:
+            raise ConfigError(f"unknown setting {key!r} in {path}{_suggest(key)}")
+    return out
+
+
+def from_env(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """PDGW_FOO_BAR=... → foo_bar; lists are comma-separated; an empty value counts as unset."""
+    environ = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for key, value in environ.items():
+        if not key.startswith(ENV_PREFIX) or key == CONFIG_ENV:
+            continue
+        name = key[len(ENV_PREFIX):].lower()
+        if name not in FIELDS:
+            raise ConfigError(f"unknown environment variable {key}{_suggest(name, env=True)}")
+        if value != "":
+            out[name] = [v.strip() for v in value.split(",") if v.strip()] if FIELDS[name] == list[str] else value
+    return out
+
+
+def _suggest(name: str, env: bool = False) -> str:
+    close = difflib.get_close_matches(name, FIELDS, n=1)
+    if not close:
+        return ""
+    return f" (did you mean {ENV_PREFIX + close[0].upper() if env else close[0]!r}?)"
+
+
 def build(flags: dict[str, Any], config_file: str | None = None, environ: dict[str, str] | None = None) -> Settings:
+    """Merge the sources (flags > env > file > defaults) and validate; ConfigError names the bad setting."""
+    environ = os.environ if environ is None else environ
+    config_file = config_file or environ.get(CONFIG_ENV) or None
+    layers = [(load_file(config_file) if config_file else {}, f"file {config_file}"),
+              (from_env(environ), "env"), ({k: v for k, v in flags.items() if v is not None}, "flag")]
     merged: dict[str, Any] = {}
-    if config_file:
-        merged.update(load_file(config_file))
-    merged.update(from_env(environ))
-    merged.update({k: v for k, v in flags.items() if v is not None})
+    origin: dict[str, str] = {}
+    for values, where in layers:
+        merged.update(values)
+        origin.update(dict.fromkeys(values, where))
     try:
         return msgspec.convert(merged, Settings, strict=False)
     except msgspec.ValidationError as exc:
-        raise SystemExit(f"invalid configuration: {exc}") from None
+        raise ConfigError(_explain(str(exc), origin)) from None
+
+
+def _explain(message: str, origin: dict[str, str]) -> str:
+    """msgspec says `... - at `$.port``; say which setting, and which flag, variable or file set it."""
+    match = re.search(r" - at `\$\.(\w+)[^`]*`$", message)
+    name = match.group(1) if match else next((n for n in FIELDS if message.startswith(n + ":")), None)
+    if name is None:
+        return f"invalid configuration: {message}"
+    text = message[:match.start()] if match else message.removeprefix(name + ":").strip()
+    where = {"flag": f"--{name.replace('_', '-')}", "env": ENV_PREFIX + name.upper()}.get(
+        origin.get(name, ""), origin.get(name, "default"))
+    return f"invalid setting {name} (from {where}): {text}"

@@ -18,8 +18,9 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve(app, host: str, port: int, *, port_file: str | None = None, log_level: str = "info") -> None:
     sock = bind(host, port)
+    # log_config=None: uvicorn's records go through the root handler, so --log-format json covers them too.
     config = uvicorn.Config(app, loop="uvloop", http="httptools", log_level=log_level, access_log=False,
-                            lifespan="on", timeout_graceful_shutdown=5)
+                            lifespan="on", timeout_graceful_shutdown=5, log_config=None)
     server = uvicorn.Server(config)
     if port_file:
         _announce_when_started(server, Path(port_file), sock.getsockname()[1])

@@ -3,7 +3,9 @@ build several apps in one process."""
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -37,5 +39,36 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def setup_logging(level: str = "info") -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, plus the record's `fields` (see `log_turn`)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {"time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
+                "level": record.levelname.lower(), "logger": record.name, "message": record.getMessage()}
+        line.update(getattr(record, "fields", None) or {})
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str)
+
+
+def setup_logging(level: str = "info", fmt: str = "text") -> None:
+    """Root handler for everything, uvicorn included (serving.py leaves its loggers unconfigured)."""
+    handler = logging.StreamHandler()
+    if fmt == "json":
+        formatter: logging.Formatter = JsonFormatter()
+        formatter.converter = time.gmtime
+    else:
+        formatter = logging.Formatter(TEXT_FORMAT)
+    handler.setFormatter(formatter)
+    handler.pdgw = True  # type: ignore[attr-defined]  (replaced by the next call; others' handlers stay)
+    root = logging.getLogger()
+    root.handlers[:] = [h for h in root.handlers if not getattr(h, "pdgw", False)] + [handler]
+    root.setLevel(level.upper())
+
+
+def log_turn(logger: logging.Logger, **fields: object) -> None:
+    """The one info line per turn: `turn plan=reuse reason=continuous ...`; in JSON, each field a key."""
+    logger.info("turn " + " ".join(f"{k}={v}" for k, v in fields.items()), extra={"fields": fields})

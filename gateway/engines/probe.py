@@ -1,4 +1,5 @@
-"""What an engine says about itself: served models, vLLM version, KV block size (from /metrics)."""
+"""What an engine says about itself: served models, vLLM version, KV block size (from /metrics), its KV-transfer
+config (from /server_info, which vLLM serves only with VLLM_SERVER_DEV_MODE=1), and how it tokenizes a chat."""
 
 from __future__ import annotations
 
@@ -18,22 +19,58 @@ PROBE_TIMEOUT_S = 3.0
 
 async def probe(client: EngineClient, engine: Engine) -> dict[str, Any]:
     """Fill `engine.info` with what could be read; missing pieces stay missing (the engine may be starting)."""
-    models, version, metrics = await asyncio.gather(
+    models, version, metrics, server_info = await asyncio.gather(
         _get(client, engine.url, "/v1/models"), _get(client, engine.url, "/version"),
-        _get(client, engine.url, "/metrics"))
+        _get(client, engine.url, "/metrics"), _get(client, engine.url, "/server_info?config_format=json"))
     info: dict[str, Any] = {}
     if models:
-        info["models"] = [m["id"] for m in msgspec.json.decode(models).get("data", [])]
+        info["models"] = [m["id"] for m in _json(models).get("data", [])]
     if version:
-        info["version"] = msgspec.json.decode(version).get("version")
+        info["version"] = _json(version).get("version")
     if metrics and (match := _BLOCK_SIZE.search(metrics)):
         info["block_size"] = int(match.group(1))
+    if server_info and (kv := kv_transfer_of(_json(server_info))) is not None:
+        info["kv_transfer"] = kv
     engine.info.update(info)
     return info
+
+
+def kv_transfer_of(server_info: dict[str, Any]) -> dict[str, Any] | None:
+    """The parts of vLLM's `kv_transfer_config` that matter for PD: connector, role, policy, bidirectional."""
+    config = server_info.get("vllm_config")
+    kv = config.get("kv_transfer_config") if isinstance(config, dict) else None
+    if not isinstance(kv, dict):
+        return None
+    extra = kv.get("kv_connector_extra_config") or {}
+    return {"connector": kv.get("kv_connector"), "role": kv.get("kv_role"),
+            "failure_policy": kv.get("kv_load_failure_policy", "fail"),
+            "bidirectional": bool(extra.get("bidirectional_kv_xfer", False))}
+
+
+async def tokenize_chat(client: EngineClient, engine: Engine, messages: list[dict[str, Any]],
+                        model: str | None) -> list[int] | None:
+    """The engine's own rendering of `messages` (POST /tokenize, messages form), or None if it has none."""
+    body: dict[str, Any] = {"messages": messages, "add_generation_prompt": True}
+    if model:
+        body["model"] = model
+    try:
+        answer = await client.post_json(engine.url, "/tokenize", body, timeout_s=PROBE_TIMEOUT_S)
+    except GatewayError:
+        return None
+    tokens = answer.get("tokens")
+    return tokens if isinstance(tokens, list) else None
+
+
+def _json(payload: bytes) -> dict[str, Any]:
+    try:
+        value = msgspec.json.decode(payload)
+    except msgspec.DecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 async def _get(client: EngineClient, url: str, path: str) -> bytes | None:
     try:
         return await client.get(url, path, timeout_s=PROBE_TIMEOUT_S)
-    except (GatewayError, msgspec.DecodeError):
+    except GatewayError:
         return None

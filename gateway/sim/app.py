@@ -106,6 +106,19 @@ def create_sim_app(settings: SimSettings) -> Litestar:
     async def version() -> Response:
         return _json({"version": settings.version})
 
+    @get("/server_info")
+    async def server_info() -> Response:
+        """vLLM's dev-mode /server_info?config_format=json, reduced to the KV-transfer and cache config."""
+        kv = None if not settings.has_connector else {
+            "kv_connector": "NixlConnector", "engine_id": settings.engine_id,
+            "kv_role": "kv_producer" if settings.role == "prefill" else "kv_consumer",
+            "kv_load_failure_policy": settings.kv_load_failure_policy,
+            "kv_connector_extra_config": {"bidirectional_kv_xfer": settings.bidirectional,
+                                          "kv_lease_duration": settings.kv_lease_duration,
+                                          "decoder_kv_blocks_ttl": settings.decoder_kv_blocks_ttl}}
+        return _json({"vllm_config": {"kv_transfer_config": kv,
+                                      "cache_config": {"block_size": settings.block_size}}})
+
     @get("/metrics")
     async def metrics() -> Response:
         return Response(content=render_metrics(engine), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -149,7 +162,7 @@ def create_sim_app(settings: SimSettings) -> Litestar:
         return _json({"extended": engine.handles.heartbeat(body.request_id, settings.kv_lease_duration)})
 
     return Litestar(
-        route_handlers=[chat, completions, tokenize, models, health, version, metrics, stats, reset,
-                        kv_read, kv_notify, kv_heartbeat],
+        route_handlers=[chat, completions, tokenize, models, health, version, server_info, metrics, stats,
+                        reset, kv_read, kv_notify, kv_heartbeat],
         lifespan=[lifespan], exception_handlers={Exception: _error}, request_max_body_size=MAX_BODY_BYTES,
         openapi_config=None)

@@ -1,0 +1,272 @@
+"""The start-up report: which engines answered, their vLLM versions and KV block sizes, bidirectional transfer,
+template parity, the store, and what all that means for reuse. Logged by the app at start; printed by
+`pd-gateway check`, which exits non-zero when the verdict is `fail`.
+
+Template parity: the gateway renders a fixed conversation with its tokenizer and chat template and compares
+the ids with each engine's `POST /tokenize` (messages form). Any difference means the gateway verifies
+continuity on other tokens than the engine's model was trained to see.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import aiohttp
+
+from gateway.config import Settings, mask_url
+from gateway.engines.client import EngineClient
+from gateway.engines.pool import Engine, EnginePool
+from gateway.engines.probe import PROBE_TIMEOUT_S, probe, tokenize_chat
+from gateway.errors import GatewayError
+from gateway.store import ConversationStore, MemoryConversationStore, RedisConversationStore
+from gateway.turns.render import Renderer
+
+log = logging.getLogger("gateway.startup")
+DEFAULT_BLOCK_SIZE = 16
+# User / assistant / user: accepted by templates that reject system messages or demand strict alternation.
+PROBE_MESSAGES = [
+    {"role": "user", "content": "Hello! What is 2 + 2?"},
+    {"role": "assistant", "content": "2 + 2 = 4. Anything else?"},
+    {"role": "user", "content": "Yes: name three prime numbers, please."},
+]
+RECOMMENDED_POLICY = {"prefill": "recompute", "decode": "fail"}   # PROTOCOL.md §1
+Level = Literal["ok", "warn", "fail"]
+_RANK = {"ok": 0, "warn": 1, "fail": 2}
+
+
+@dataclass
+class Finding:
+    level: Level
+    text: str
+
+
+@dataclass
+class EngineReport:
+    url: str
+    role: str
+    reachable: bool
+    version: str | None = None
+    block_size: int | None = None
+    models: list[str] = field(default_factory=list)
+    kv_transfer: dict[str, Any] | None = None     # from /server_info, when the engine exposes it
+    parity: Literal["match", "mismatch", "unknown"] = "unknown"
+    parity_detail: str = ""
+
+    @property
+    def bidirectional(self) -> bool | None:
+        return self.kv_transfer["bidirectional"] if self.kv_transfer else None
+
+    def line(self) -> str:
+        if not self.reachable:
+            return f"{self.role:<8} {self.url}  unreachable"
+        bidi = {True: "on", False: "off", None: "unknown"}[self.bidirectional]
+        policy = self.kv_transfer["failure_policy"] if self.kv_transfer else "unknown"
+        return (f"{self.role:<8} {self.url}  vLLM {self.version or '?'}  block size {self.block_size or '?'}  "
+                f"bidirectional {bidi}  load-failure policy {policy}  "
+                f"template parity {self.parity}{f' ({self.parity_detail})' if self.parity_detail else ''}")
+
+
+@dataclass
+class StartupReport:
+    engines: list[EngineReport]
+    store: str                                    # "embedded" or the Redis URL, password masked
+    store_ok: bool
+    models: list[str]
+    block_size: int
+    reuse: str                                    # one sentence: what this set-up means for reuse
+    findings: list[Finding]
+
+    @property
+    def verdict(self) -> Level:
+        return max((f.level for f in self.findings), key=_RANK.__getitem__, default="ok")
+
+    def lines(self) -> list[str]:
+        store = f"{self.store} ({'answers' if self.store_ok else 'does not answer'})"
+        return ["pd-gateway start-up report", *(f"  {e.line()}" for e in self.engines),
+                f"  store    {store}", f"  models   {', '.join(self.models) or '?'}; KV block size {self.block_size}",
+                f"  reuse    {self.reuse}", f"  verdict  {self.verdict}",
+                *(f"  {f.level}: {f.text}" for f in self.findings)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "verdict": self.verdict}
+
+
+# -- gathering ---------------------------------------------------------------------------------------
+async def gather(client: EngineClient, prefill: EnginePool, decode: EnginePool, renderer: Renderer | None,
+                 store: ConversationStore, settings: Settings) -> StartupReport:
+    engines = [*prefill.engines.values(), *decode.engines.values()]
+    expected = _render_probe(renderer)
+    reports = list(await asyncio.gather(*(_engine_report(client, e, expected, settings.model) for e in engines)))
+    store_ok = await _ping(store)
+    models = [settings.model] if settings.model else next((r.models for r in reports if r.models), [])
+    sizes = {r.block_size for r in reports if r.block_size}
+    block_size = settings.block_size or (min(sizes) if sizes else DEFAULT_BLOCK_SIZE)
+    store_name = mask_url(settings.redis_url) if settings.redis_url else "embedded (single process)"
+    findings = [*_reachability(reports), *_agreement(reports, settings), *_transfer(reports),
+                *_parity(reports, renderer, expected), *_store(settings, store_ok)]
+    return StartupReport(reports, store_name, store_ok, models, block_size,
+                         _reuse(reports, settings, store_ok), findings)
+
+
+async def check(settings: Settings) -> StartupReport:
+    """`pd-gateway check`: the same report, from a session and store of its own."""
+    try:
+        renderer: Renderer | None = Renderer(settings.tokenizer, settings.chat_template)
+    except Exception as exc:  # a bad tokenizer is itself a finding; report the engines anyway
+        log.error("tokenizer %r could not be loaded: %s", settings.tokenizer, exc)
+        renderer = None
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        store = open_store(settings)
+        try:
+            return await gather(EngineClient(session), EnginePool("prefill", settings.prefill),
+                                EnginePool("decode", settings.decode), renderer, store, settings)
+        finally:
+            await store.close()
+
+
+def open_store(settings: Settings) -> ConversationStore:
+    if settings.redis_url:
+        return RedisConversationStore.from_url(settings.redis_url, conversation_ttl_s=settings.conversation_ttl_s)
+    return MemoryConversationStore(conversation_ttl_s=settings.conversation_ttl_s)
+
+
+def log_report(report: StartupReport, logger: logging.Logger = log) -> None:
+    level = {"ok": logging.INFO, "warn": logging.WARNING, "fail": logging.ERROR}[report.verdict]
+    logger.log(level, "\n".join(report.lines()), extra={"fields": {"startup_report": report.to_dict()}})
+
+
+def _render_probe(renderer: Renderer | None) -> list[int] | None:
+    if renderer is None:
+        return None
+    try:
+        return renderer.render_chat(PROBE_MESSAGES)
+    except GatewayError:
+        return None
+
+
+async def _engine_report(client: EngineClient, engine: Engine, expected: list[int] | None,
+                         model: str | None) -> EngineReport:
+    try:
+        await client.get(engine.url, "/health", timeout_s=PROBE_TIMEOUT_S)
+    except GatewayError:
+        return EngineReport(mask_url(engine.url), engine.role, reachable=False)
+    info = await probe(client, engine)
+    report = EngineReport(mask_url(engine.url), engine.role, True, info.get("version"), info.get("block_size"),
+                          info.get("models") or [], info.get("kv_transfer"))
+    if expected is not None:
+        served = model or next(iter(report.models), None)
+        report.parity, report.parity_detail = _compare(expected, await tokenize_chat(client, engine,
+                                                                                     PROBE_MESSAGES, served))
+    return report
+
+
+def _compare(expected: list[int], got: list[int] | None) -> tuple[Literal["match", "mismatch", "unknown"], str]:
+    if got is None:
+        return "unknown", "the engine has no /tokenize for messages"
+    if got == expected:
+        return "match", f"{len(expected)} tokens"
+    first = next((i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b),
+                 min(len(expected), len(got)))
+    return "mismatch", f"first difference at token {first}; gateway {len(expected)} tokens, engine {len(got)}"
+
+
+async def _ping(store: ConversationStore) -> bool:
+    try:
+        return bool(await store.ping())
+    except Exception:  # any store failure is a finding, not a crash
+        return False
+
+
+# -- findings ----------------------------------------------------------------------------------------
+def _reachability(reports: list[EngineReport]) -> list[Finding]:
+    out = []
+    for role in ("prefill", "decode"):
+        mine = [r for r in reports if r.role == role]
+        down = [r.url for r in mine if not r.reachable]
+        if len(down) == len(mine):
+            out.append(Finding("fail", f"no {role} engine answers /health ({', '.join(down) or 'none configured'})"))
+        elif down:
+            out.append(Finding("warn", f"{role} engines not answering: {', '.join(down)}"))
+    return out
+
+
+def _agreement(reports: list[EngineReport], settings: Settings) -> list[Finding]:
+    """P and D must match for the NIXL handshake: version, model, and (bidirectional) block size."""
+    up = [r for r in reports if r.reachable]
+    out = []
+    versions = {r.version for r in up if r.version}
+    if len(versions) > 1:
+        out.append(Finding("fail", f"engines run different vLLM versions {sorted(versions)}: the NIXL handshake "
+                                   "between them fails"))
+    sizes = {r.block_size for r in up if r.block_size}
+    if len(sizes) > 1:
+        out.append(Finding("fail", f"engines disagree on KV block size {sorted(sizes)}: bidirectional transfer "
+                                   "needs equal sizes"))
+    elif not sizes and up:
+        out.append(Finding("warn", "no engine reported its KV block size (vllm:cache_config_info); using "
+                                   f"{settings.block_size or DEFAULT_BLOCK_SIZE}"))
+    elif settings.block_size and sizes and settings.block_size not in sizes:
+        out.append(Finding("fail", f"block_size is set to {settings.block_size} but the engines use {sizes.pop()}"))
+    served = {tuple(r.models) for r in up if r.models}
+    if len(served) > 1:
+        out.append(Finding("fail", f"engines serve different models {sorted(served)}"))
+    if settings.model and served and not any(settings.model in m for m in served):
+        out.append(Finding("fail", f"model {settings.model!r} is not served by the engines ({sorted(served)})"))
+    return out
+
+
+def _transfer(reports: list[EngineReport]) -> list[Finding]:
+    up = [r for r in reports if r.reachable]
+    off = [r.url for r in up if r.bidirectional is False]
+    out = []
+    if off:
+        out.append(Finding("fail", f"bidirectional_kv_xfer is off on {', '.join(off)}: no turn can reuse D's KV, "
+                                   "and a P without it parks requests that carry D's handle"))
+    if any(r.bidirectional is None for r in up):
+        out.append(Finding("warn", "bidirectional transfer could not be checked on some engines (vLLM shows its "
+                                   "config at /server_info only with VLLM_SERVER_DEV_MODE=1)"))
+    for r in up:
+        policy = r.kv_transfer["failure_policy"] if r.kv_transfer else None
+        if policy and policy != RECOMMENDED_POLICY[r.role]:
+            out.append(Finding("warn", f"{r.role} {r.url} has kv_load_failure_policy {policy!r}; recommended "
+                                       f"{RECOMMENDED_POLICY[r.role]!r} (see docs/deployment.md)"))
+    return out
+
+
+def _parity(reports: list[EngineReport], renderer: Renderer | None, expected: list[int] | None) -> list[Finding]:
+    if renderer is None:
+        return [Finding("fail", "the gateway's tokenizer could not be loaded: no prompt can be rendered")]
+    if expected is None:
+        return [Finding("warn", "the gateway's chat template could not render the probe conversation")]
+    out = []
+    for r in reports:
+        if r.parity == "mismatch":
+            out.append(Finding("fail", f"template parity: {r.url} renders the probe conversation differently "
+                                       f"({r.parity_detail}); give the gateway the engine's --tokenizer and "
+                                       "--chat-template"))
+        elif r.reachable and r.parity == "unknown":
+            out.append(Finding("warn", f"template parity unknown for {r.url}: {r.parity_detail}"))
+    return out
+
+
+def _store(settings: Settings, store_ok: bool) -> list[Finding]:
+    if not store_ok:
+        return [Finding("warn", "the store does not answer: turns are served stateless (plan full, reason "
+                                "store_unavailable) until it does")]
+    return []
+
+
+def _reuse(reports: list[EngineReport], settings: Settings, store_ok: bool) -> str:
+    if any(r.bidirectional is False for r in reports):
+        return "off: bidirectional transfer is off on some engine, so every turn is a full prefill"
+    if not store_ok:
+        return "degraded: the store does not answer, so every turn is a full prefill until it does"
+    scope = ("a conversation must stay on this one gateway process (state is lost on restart; pass --redis-url "
+             "to share it)" if not settings.redis_url else "any gateway replica sharing this Redis can reuse")
+    return (f"on: a later turn reuses D's KV if it comes within {settings.handle_ttl_s:g} s of the previous one "
+            f"(decoder_kv_blocks_ttl {settings.decoder_kv_blocks_ttl_s:g} s - margin "
+            f"{settings.handle_ttl_margin_s:g} s); {scope}")

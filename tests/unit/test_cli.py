@@ -1,0 +1,57 @@
+"""The `pd-gateway` command line: every setting is a documented flag; --print-config; start-up failures."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import yaml
+
+from gateway import cli, config
+from gateway.config import Settings
+
+FIELDS = [f.name for f in msgspec.structs.fields(Settings)]
+
+
+def test_every_setting_has_help():
+    assert not [name for name in FIELDS if not cli.HELP.get(name)]
+
+
+def test_serve_help_documents_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name in FIELDS:
+        assert f"--{name.replace('_', '-')}" in text
+        assert " ".join(cli.HELP[name].split()) in text
+    assert "--print-config" in text and "--config" in text
+
+
+def test_print_config_masks_secrets_and_round_trips(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("PDGW_DECODE_IDLE_TIMEOUT_S", "33")
+    cli.main(["serve", "--prefill", "http://p0:8100", "--decode", "http://d0:8200", "--admin-key", "k3y",
+              "--redis-url", "redis://:pw@redis:6379/0", "--print-config"])
+    out = capsys.readouterr().out
+    assert "k3y" not in out and ":pw@" not in out
+    shown = yaml.safe_load(out)
+    assert shown["decode_idle_timeout_s"] == 33.0 and shown["prefill"] == ["http://p0:8100"]
+    # What it prints is itself a valid settings file (secrets aside).
+    path = tmp_path / "printed.yaml"
+    path.write_text(yaml.safe_dump({k: v for k, v in shown.items() if k not in ("admin_key", "redis_url")}))
+    assert config.build({}, str(path), {}).decode_idle_timeout_s == 33.0
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["serve", "--prefill-timeout-s", "-5"], ["pd-gateway serve", "prefill_timeout_s", "--prefill-timeout-s"]),
+    (["serve", "--prefill", "p0", "--decode", "http://d0:1"], ["prefill", "not a valid URL"]),
+    (["check", "--redis-url", "mysql://db"], ["pd-gateway check", "redis_url"]),
+])
+def test_invalid_configuration_fails_at_start_naming_the_setting(argv, words):
+    with pytest.raises(SystemExit) as caught:
+        cli.main(argv)
+    for word in words:
+        assert word in str(caught.value)
+
+
+def test_serve_without_engines_says_so():
+    with pytest.raises(SystemExit, match="--prefill"):
+        cli.main(["serve"])

@@ -1,0 +1,82 @@
+"""The start-up report's pure parts: parity comparison, findings, verdict, what it says about reuse."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway import startup
+from gateway.config import Settings
+from gateway.startup import EngineReport
+
+KV = {"connector": "NixlConnector", "bidirectional": True}
+
+
+def engine(role="prefill", **kw) -> EngineReport:
+    policy = "recompute" if role == "prefill" else "fail"
+    defaults = dict(url=f"http://{role}:1", role=role, reachable=True, version="0.32.0", block_size=16,
+                    models=["m"], kv_transfer={**KV, "role": role, "failure_policy": policy}, parity="match")
+    return EngineReport(**{**defaults, **kw})
+
+
+@pytest.mark.parametrize(("got", "verdict", "detail"), [
+    ([1, 2, 3], "match", "3 tokens"),
+    (None, "unknown", "no /tokenize"),
+    ([1, 9, 3], "mismatch", "token 1"),
+    ([1, 2], "mismatch", "token 2"),
+])
+def test_compare(got, verdict, detail):
+    assert startup._compare([1, 2, 3], got)[0] == verdict
+    assert detail in startup._compare([1, 2, 3], got)[1]
+
+
+def findings(reports, **settings):
+    s = Settings(**settings)
+    return [*startup._reachability(reports), *startup._agreement(reports, s), *startup._transfer(reports),
+            *startup._parity(reports, object(), [1]), *startup._store(s, True)]
+
+
+@pytest.mark.parametrize(("reports", "settings", "level", "words"), [
+    ([engine(), engine("decode")], {}, None, []),
+    ([engine(), engine("decode", reachable=False)], {}, "fail", "no decode engine"),
+    ([engine(), engine(url="http://p2:1", reachable=False), engine("decode")], {}, "warn", "not answering"),
+    ([engine(), engine("decode", version="0.31.0")], {}, "fail", "different vLLM versions"),
+    ([engine(), engine("decode", block_size=128)], {}, "fail", "block size"),
+    ([engine(), engine("decode")], {"block_size": 32}, "fail", "block_size is set to 32"),
+    ([engine(), engine("decode", models=["other"])], {}, "fail", "different models"),
+    ([engine(), engine("decode")], {"model": "x"}, "fail", "not served"),
+    ([engine(), engine("decode", kv_transfer={**KV, "bidirectional": False, "failure_policy": "fail"})], {},
+     "fail", "bidirectional_kv_xfer is off"),
+    ([engine(kv_transfer=None), engine("decode")], {}, "warn", "VLLM_SERVER_DEV_MODE"),
+    ([engine(kv_transfer={**KV, "failure_policy": "fail"}), engine("decode")], {}, "warn", "recommended"),
+    ([engine(), engine("decode", parity="mismatch", parity_detail="first difference at token 3")], {},
+     "fail", "token 3"),
+    ([engine(parity="unknown"), engine("decode")], {}, "warn", "template parity unknown"),
+])
+def test_findings(reports, settings, level, words):
+    found = findings(reports, **settings)
+    if level is None:
+        assert found == []
+    else:
+        assert any(f.level == level and words in f.text for f in found), found
+
+
+def test_verdict_is_the_worst_finding():
+    report = startup.StartupReport([engine()], "embedded", True, ["m"], 16, "on", [])
+    assert report.verdict == "ok"
+    report.findings = [startup.Finding("warn", "a"), startup.Finding("fail", "b")]
+    assert report.verdict == "fail"
+    assert report.lines()[-1] == "  fail: b" and report.to_dict()["verdict"] == "fail"
+
+
+@pytest.mark.parametrize(("reports", "settings", "store_ok", "starts"), [
+    ([engine(), engine("decode")], {}, True, "on: a later turn reuses D's KV if it comes within 450 s"),
+    ([engine(), engine("decode", kv_transfer={**KV, "bidirectional": False})], {}, True, "off"),
+    ([engine(), engine("decode")], {}, False, "degraded"),
+])
+def test_reuse_sentence(reports, settings, store_ok, starts):
+    assert startup._reuse(reports, Settings(**settings), store_ok).startswith(starts)
+
+
+def test_reuse_sentence_names_the_store_scope():
+    assert "--redis-url" in startup._reuse([engine()], Settings(), True)
+    assert "any gateway replica" in startup._reuse([engine()], Settings(redis_url="redis://r:6379"), True)
