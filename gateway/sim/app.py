@@ -45,6 +45,9 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
+TIMING_FIELDS = ("prefill_ms_per_token", "decode_ms_per_token", "transfer_ms_per_block")
+
+
 def create_sim_app(settings: SimSettings) -> Litestar:
     renderer = Renderer(settings.tokenizer, settings.chat_template)
     engine = Engine(settings, renderer)
@@ -161,8 +164,18 @@ def create_sim_app(settings: SimSettings) -> Litestar:
         engine.stats.heartbeats_received += 1
         return _json({"extended": engine.handles.heartbeat(body.request_id, settings.kv_lease_duration)})
 
+    @post("/sim/timing", status_code=200)
+    async def timing(request: Request) -> Response:
+        """Test hook: change the timing model while running (e.g. make this engine slow past a deadline)."""
+        changes = msgspec.json.decode(await request.body(), type=dict[str, float])
+        unknown = set(changes) - set(TIMING_FIELDS)
+        if unknown:
+            return _json(wire.error_body(f"not timing fields: {sorted(unknown)}", 400), 400)
+        engine.settings = msgspec.structs.replace(engine.settings, **changes)
+        return _json({name: getattr(engine.settings, name) for name in TIMING_FIELDS})
+
     return Litestar(
         route_handlers=[chat, completions, tokenize, models, health, version, server_info, metrics, stats,
-                        reset, kv_read, kv_notify, kv_heartbeat],
+                        reset, timing, kv_read, kv_notify, kv_heartbeat],
         lifespan=[lifespan], exception_handlers={Exception: _error}, request_max_body_size=MAX_BODY_BYTES,
         openapi_config=None)

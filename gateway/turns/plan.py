@@ -30,6 +30,7 @@ class Reason(StrEnum):
     PARITY_VIOLATION = "parity_violation"
     PREFILL_FAILED = "prefill_failed"          # a P leg failed and was redone on another P without a handle
     DECODE_FAILED = "decode_failed"            # a D leg failed before its first byte; P was redone afresh
+    PREVIOUS_TURN_FAILED = "previous_turn_failed"   # the last turn ended early (error, disconnect): no handle
     HANDLE_NOT_STREAMED = "handle_not_streamed"
     MODEL_CHANGED = "model_changed"
     HANDLE_SHAPE = "handle_shape"

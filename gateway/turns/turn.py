@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -20,7 +20,7 @@ from gateway.config import Settings
 from gateway.engines import sse
 from gateway.engines.client import EngineClient, EngineStream
 from gateway.engines.pool import Engine, EnginePool
-from gateway.errors import EngineConnectError, GatewayError, UpstreamError
+from gateway.errors import EngineConnectError, EngineUnavailableError, GatewayError, UpstreamError
 from gateway.store import Conversation, ConversationKey, ConversationStore, StoreUnavailableError, TurnStart
 from gateway.telemetry import Metrics, log_turn
 from gateway.tracing import NO_TRACING, NO_TURN, Tracing, TurnTrace
@@ -59,15 +59,26 @@ class _Turn:
     prefill_handle: dict[str, Any] | None = None
     retries_left: int = 0
     failed: set[str] = field(default_factory=set)     # engines that failed this turn: not picked again
+    last_error: GatewayError | None = None
     trace: TurnTrace = NO_TURN                         # its spans, when tracing is on
 
     def retry_after(self, error: GatewayError, engine: Engine) -> None:
         """Spend one retry on `engine`'s failure, or give up with its error."""
         self.trace.leg_failed(error)
         self.failed.add(engine.url)
+        self.last_error = error
         if self.retries_left <= 0:
             raise error
         self.retries_left -= 1
+
+    def pick(self, pick: Callable[[frozenset[str]], Engine]) -> Engine:
+        """An engine that has not failed this turn; none left: the last engine error, not a bare 503."""
+        try:
+            return pick(frozenset(self.failed))
+        except EngineUnavailableError:
+            if self.last_error is not None:
+                raise self.last_error from None
+            raise
 
 
 class TurnRunner:
@@ -135,7 +146,7 @@ class TurnRunner:
 
     async def _call_prefill(self, turn: _Turn) -> dict[str, Any]:
         while True:
-            turn.prefill = self.prefill_pool.pick_prefill(exclude=frozenset(turn.failed))
+            turn.prefill = turn.pick(lambda failed: self.prefill_pool.pick_prefill(exclude=failed))
             body = prefill_body(turn.req, turn.plan.prefill_params)
             try:
                 return await self._leg(turn.prefill, self.client.post_json(
@@ -152,9 +163,8 @@ class TurnRunner:
     async def _decode_leg(self, turn: _Turn) -> TurnReply:
         record = turn.start.record if turn.start else None
         while True:
-            turn.decode = self.decode_pool.pick_decode(
-                record.decode_engine if record else None, self.settings.decode_load_bound,
-                exclude=frozenset(turn.failed))
+            turn.decode = turn.pick(lambda failed: self.decode_pool.pick_decode(
+                record.decode_engine if record else None, self.settings.decode_load_bound, exclude=failed))
             try:
                 if turn.req.stream and self.settings.stream_handle_policy == "miss":
                     return await self._stream_decode(turn)
@@ -280,7 +290,9 @@ class TurnRunner:
         if turn.session is None or turn.start is None:
             return
         self.metrics.turns.labels(turn.plan.kind.value, turn.plan.reason.value).inc()
-        record = turn.start.record or Conversation(model=turn.req.model, block_size=self.block_size)
+        note = Reason.PREVIOUS_TURN_FAILED.value
+        record = msgspec.structs.replace(turn.start.record, handle_note=note) if turn.start.record else \
+            Conversation(model=turn.req.model, block_size=self.block_size, handle_note=note)
         try:
             await self.store.finish_turn(turn.session, turn.start.turn, record, None, 0.0, time.time())
         except StoreUnavailableError:
