@@ -132,18 +132,22 @@ def check(argv: list[str]) -> None:
         raise SystemExit(1)
 
 
+def migrate_parser(default_redis_url: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pd-gateway migrate", description="apply migrations/ to the Redis store")
+    parser.add_argument("--redis-url", default=default_redis_url, help="the store (default: PDGW_REDIS_URL)")
+    return parser
+
+
 def migrate(argv: list[str]) -> None:
     import asyncio
 
     from gateway.store.migrate import apply_migrations
 
-    parser = argparse.ArgumentParser(prog="pd-gateway migrate", description="apply migrations/ to the Redis store")
     try:
         default = config.from_env().get("redis_url")
     except config.ConfigError as exc:
         raise SystemExit(f"pd-gateway migrate: {exc}") from None
-    parser.add_argument("--redis-url", default=default, required=False)
-    args = parser.parse_args(argv)
+    args = migrate_parser(default).parse_args(argv)
     if not args.redis_url:
         raise SystemExit("pd-gateway migrate: --redis-url (or PDGW_REDIS_URL) is required")
     applied = asyncio.run(apply_migrations(args.redis_url))

@@ -36,7 +36,7 @@ def test_setup_logging_replaces_only_its_own_handler():
         telemetry.setup_logging("warning", "text")
         ours = [h for h in root.handlers if getattr(h, "pdgw", False)]
         assert len(ours) == 1 and not isinstance(ours[0].formatter, telemetry.JsonFormatter)
-        assert [h for h in root.handlers if h not in ours] == before
+        assert [h for h in root.handlers if h not in ours] == [h for h in before if not getattr(h, "pdgw", False)]
     finally:
         root.handlers[:] = before
         root.setLevel(level)
