@@ -62,7 +62,8 @@ def settings_parser(prog: str, description: str | None = None) -> argparse.Argum
         flag = "--" + field.name.replace("_", "-")
         kind = _plain(field.type)
         env = config.ENV_PREFIX + field.name.upper()
-        help_text = f"{HELP.get(field.name, '')} (default: {field.default!r}; env {env})"
+        default = field.default_factory() if field.default is msgspec.NODEFAULT else field.default
+        help_text = f"{HELP.get(field.name, '')} (default: {default!r}; env {env})"
         if kind == list[str]:
             parser.add_argument(flag, action="extend", nargs="+", dest=field.name, help=help_text)
         elif kind is bool:
