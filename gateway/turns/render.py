@@ -2,21 +2,29 @@
 
 The only module that imports transformers. Rendering follows vLLM: template to text, then encode without
 adding special tokens (the template carries them); completions prompts are encoded with them.
+
+Encoding is incremental where that is exact (see `pieces.py`): the rendered text is cut at the tokenizer's
+special tokens and only pieces not seen before go through the tokenizer, so a turn's cost does not grow with
+the history. Whether the cut is exact for this tokenizer is verified at start-up; if not, every prompt is
+encoded whole.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from gateway.errors import InvalidRequestError
+from gateway.turns.pieces import DEFAULT_CACHE_TOKENS, PieceEncoder, TokenIds, exact_specials
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from transformers import AutoTokenizer  # noqa: E402  (after the verbosity setting)
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "tokenizers"
+log = logging.getLogger(__name__)
 
 
 def tokenizer_path(spec: str) -> str:
@@ -30,12 +38,41 @@ def tokenizer_path(spec: str) -> str:
 
 
 class Renderer:
-    def __init__(self, tokenizer: str, chat_template: str | None = None) -> None:
+    def __init__(self, tokenizer: str, chat_template: str | None = None, *, incremental: bool = True,
+                 cache_tokens: int = DEFAULT_CACHE_TOKENS) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path(tokenizer))
         if chat_template:
             self.tokenizer.chat_template = Path(chat_template).read_text()
         if not self.tokenizer.chat_template:
             raise ValueError(f"tokenizer {tokenizer!r} has no chat template: pass --chat-template FILE")
+        self.pieces = self._piece_encoder(cache_tokens) if incremental else None
+
+    def _piece_encoder(self, cache_tokens: int) -> PieceEncoder | None:
+        specials = exact_specials(dict(getattr(self.tokenizer, "added_tokens_decoder", {}) or {}))
+        if not getattr(self.tokenizer, "is_fast", False) or not specials:
+            log.info("prompts are encoded whole: the tokenizer has no special tokens to cut them at")
+            return None
+        encoder = PieceEncoder(specials, self._encode_batch, cache_tokens)
+        others = [str(t) for t in (getattr(self.tokenizer, "added_tokens_decoder", {}) or {}).values()
+                  if str(t) not in specials]
+        template = self.tokenizer.chat_template if isinstance(self.tokenizer.chat_template, str) else ""
+        counterexample = encoder.verify(self._encode_whole, extra_pieces=[f"x{t} y{t}" for t in others[:4]],
+                                        first=[s for s in specials if s in template])
+        if counterexample is not None:
+            log.info("prompts are encoded whole: cutting at special tokens is not exact for this tokenizer "
+                     "(e.g. %r)", counterexample[:80])
+            return None
+        return encoder
+
+    def _encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+    def _encode_whole(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def encode(self, text: str) -> list[int]:
+        """A rendered chat prompt → ids (a `TokenIds` when encoded incrementally)."""
+        return self.pieces.encode(text) if self.pieces is not None else TokenIds(self._encode_whole(text))
 
     def render_chat(self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -48,12 +85,12 @@ class Renderer:
         except Exception as exc:  # jinja raises many kinds; all mean this request cannot be rendered
             raise InvalidRequestError(f"the chat template could not render these messages: {exc}",
                                       param="messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.encode(text)
 
     def render_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
-            return prompt
-        return self.tokenizer.encode(prompt)
+            return TokenIds(prompt)
+        return TokenIds(self.tokenizer.encode(prompt))
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,129 @@
+"""Incremental tokenization: a rendered prompt is cut at its special tokens and each piece is encoded once.
+
+A fast tokenizer splits its input at added tokens that are matched on the raw text (`normalized: false`, no
+lstrip/rstrip/single-word) *before* normalizing, pre-tokenizing and running the model, and it processes the
+pieces between them independently. So for such a token set,
+
+    encode(p0 + S1 + p1 + S2 + p2) == encode(p0) + [id(S1)] + encode(p1) + [id(S2)] + encode(p2)
+
+and a chat template that wraps every message in special tokens (ChatML, Llama 3, DeepSeek, ...) turns a
+conversation into pieces that repeat, unchanged, turn after turn: only the new ones need the tokenizer.
+Whether the equation holds for a given tokenizer is *checked*, not assumed (`PieceEncoder.verify`, run at
+start-up on probe texts; some pre-tokenizers treat the first piece of a text differently): when it does not,
+the renderer encodes the whole text every time. This module knows nothing of transformers: it is given the
+tokenizer's batch encode function and its special tokens.
+"""
+
+from __future__ import annotations
+
+import re
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+DEFAULT_CACHE_TOKENS = 4_000_000       # token ids kept (about 4 bytes each as array('i'), plus the text)
+
+EncodeBatch = Callable[[list[str]], list[list[int]]]
+
+# Text a probe wraps around special tokens: spaces, newlines, digits, punctuation and non-ASCII at the edges.
+PROBE_PIECES = ("", "user\nHello world", " leading space", "trailing space ", "\n\n", "\n", "  two  spaces",
+                "ünïcödé — 中文 🙂", "1234567 89", "assistant\n", "a", "!?", "\tx\ty", "system\nYou are kind.")
+
+
+class TokenIds(list):
+    """A list of token ids that also carries them as int64 little-endian bytes (what continuity hashes),
+    built from cached pieces so the bytes cost a copy, not a conversion. Slices and sums are plain lists."""
+
+    __slots__ = ("as_bytes",)
+
+    def __init__(self, ids: Sequence[int] = (), as_bytes: bytes | None = None) -> None:
+        super().__init__(ids)
+        self.as_bytes = as_bytes if as_bytes is not None else array("q", ids).tobytes()
+
+
+class PieceEncoder:
+    """text → token ids via a bounded LRU cache of the pieces between special tokens."""
+
+    def __init__(self, specials: dict[str, int], encode_batch: EncodeBatch,
+                 max_tokens: int = DEFAULT_CACHE_TOKENS) -> None:
+        if not specials:
+            raise ValueError("no special tokens to cut at")
+        self._specials = specials
+        self._special_bytes = {s: array("q", [i]).tobytes() for s, i in specials.items()}
+        alternatives = "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True))
+        self._split = re.compile(f"({alternatives})").split
+        self._encode_batch = encode_batch
+        self._cache: OrderedDict[str, tuple[list[int], bytes]] = OrderedDict()
+        self._cached_tokens = 0
+        self.max_tokens = max_tokens
+        self.hits = self.misses = 0
+
+    def encode(self, text: str) -> TokenIds:
+        parts = self._split(text)               # piece, special, piece, special, ..., piece
+        cache = self._cache
+        missing = [p for p in dict.fromkeys(parts[0::2]) if p and p not in cache]
+        if missing:
+            self._add(missing, self._encode_batch(missing))
+        ids: list[int] = []
+        chunks: list[bytes] = []
+        specials, special_bytes = self._specials, self._special_bytes
+        for i, part in enumerate(parts):
+            if i & 1:
+                ids.append(specials[part])
+                chunks.append(special_bytes[part])
+            elif part:
+                piece_ids, piece_bytes = cache[part]
+                cache.move_to_end(part)
+                ids += piece_ids
+                chunks.append(piece_bytes)
+        self.misses += len(missing)
+        self.hits += sum(1 for p in parts[0::2] if p) - len(missing)
+        self._evict(keep=len(parts) // 2 + 1)
+        return TokenIds(ids, b"".join(chunks))
+
+    def _add(self, pieces: list[str], encoded: list[list[int]]) -> None:
+        for piece, piece_ids in zip(pieces, encoded, strict=True):
+            self._cache[piece] = (list(piece_ids), array("q", piece_ids).tobytes())
+            self._cached_tokens += len(piece_ids)
+
+    def _evict(self, keep: int) -> None:
+        """Least recently used first, never the `keep` most recent (the request just served)."""
+        while self._cached_tokens > self.max_tokens and len(self._cache) > keep:
+            _, (old, _) = self._cache.popitem(last=False)
+            self._cached_tokens -= len(old)
+
+    def verify(self, encode_full: Callable[[str], list[int]], extra_pieces: Sequence[str] = (),
+               first: Sequence[str] = (), limit: int = 8) -> str | None:
+        """Check the decomposition on probe texts; None when exact, else the first counterexample.
+        Probes every special token in `first` (e.g. those the chat template uses) and others up to `limit`."""
+        pieces = [*PROBE_PIECES, *extra_pieces]
+        chosen = list(dict.fromkeys([s for s in first if s in self._specials] + list(self._specials)))[:limit]
+        texts = ["".join(s + p for s, p in zip(list(self._specials) * len(pieces), pieces))]
+        for special in chosen:
+            texts.append(special.join(pieces))
+            texts.append(special + special.join(reversed(pieces)) + special)
+            texts += [p + special + q for p, q in zip(pieces, pieces[1:])]
+        probe = PieceEncoder(self._specials, self._encode_batch)
+        for text in texts:
+            probe._cache.clear()
+            if list(probe.encode(text)) != list(encode_full(text)):
+                return text
+        return None
+
+    @property
+    def cached_tokens(self) -> int:
+        return self._cached_tokens
+
+
+def exact_specials(added: dict[int, object]) -> dict[str, int] | None:
+    """The added tokens a tokenizer matches on the raw text (what the pieces are cut at), from transformers'
+    `added_tokens_decoder` ({id: AddedToken}). None if any such token strips or needs word boundaries
+    (then pieces are not independent)."""
+    specials: dict[str, int] = {}
+    for token_id, token in added.items():
+        if getattr(token, "normalized", True):
+            continue                    # matched after normalization, inside a piece: the piece's encode sees it
+        if getattr(token, "lstrip", False) or getattr(token, "rstrip", False) or getattr(token, "single_word", False):
+            return None
+        specials[getattr(token, "content", str(token))] = token_id
+    return specials or None
