@@ -24,7 +24,8 @@ async def probe(client: EngineClient, engine: Engine) -> dict[str, Any]:
         _get(client, engine.url, "/metrics"), _get(client, engine.url, "/server_info?config_format=json"))
     info: dict[str, Any] = {}
     if models:
-        info["models"] = [m["id"] for m in _json(models).get("data", [])]
+        data = _json(models).get("data")
+        info["models"] = [m["id"] for m in data if isinstance(m, dict) and "id" in m] if isinstance(data, list) else []
     if version:
         info["version"] = _json(version).get("version")
     if metrics and (match := _BLOCK_SIZE.search(metrics)):
