@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import subprocess
 import sys
 import threading
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
@@ -180,3 +182,23 @@ def test_tracing_off_never_loads_the_sdk_tracer():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_console_tracing_prints_turn_and_leg_spans(capsys):
+    tracing = start_tracing("console")
+    req = SimpleNamespace(request_id="r1", endpoint="/v1/chat/completions", model="m", stream=False,
+                          prompt_ids=[1, 2, 3])
+    plan = SimpleNamespace(kind="full", reason="first_turn", reused_tokens=0)
+    turn = tracing.turn(req)
+    leg = turn.leg("prefill", "http://p0:8100", plan)
+    assert re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-0[0-3]", leg.headers["traceparent"])
+    turn.finish(plan, 0, 3)
+    tracing.shutdown()
+    err = capsys.readouterr().err
+    assert '"name": "pd.turn"' in err and '"name": "pd.prefill"' in err and '"pd.computed_tokens": 3' in err
+
+
+def test_otlp_tracing_builds_its_exporter():
+    tracing = start_tracing("otlp", "http://127.0.0.1:9/v1/traces")
+    assert tracing.enabled and tracing.middleware()
+    tracing.shutdown()                   # nothing was recorded: nothing to send
