@@ -12,28 +12,63 @@ from dataclasses import dataclass
 from hashlib import blake2b
 from typing import Literal
 
+from gateway.turns.pieces import TokenIds
+
 HASH_BYTES = 16
+TOKEN_BYTES = 8               # ids are hashed as int64 little-endian
 VerdictKind = Literal["reuse", "partial", "full"]
 
 
-def _tokens_bytes(ids: list[int]) -> bytes:
-    return array("q", ids).tobytes()
+def _tokens_bytes(ids: list[int], n: int | None = None) -> bytes:
+    """The first n ids as int64 bytes; free when the renderer already carried them (`TokenIds`)."""
+    cached = getattr(ids, "as_bytes", None)
+    if cached is not None:
+        return cached if n is None or n >= len(ids) else cached[:n * TOKEN_BYTES]
+    return array("q", ids if n is None else ids[:n]).tobytes()
 
 
 def prefix_hash(ids: list[int], n: int) -> bytes:
-    return blake2b(_tokens_bytes(ids[:n]), digest_size=HASH_BYTES).digest()
+    return blake2b(_tokens_bytes(ids, n), digest_size=HASH_BYTES).digest()
 
 
 def block_hashes(ids: list[int], block_size: int, limit: int | None = None) -> list[bytes]:
     """Chained hashes of the leading full blocks: equal i-th hashes mean equal first (i+1)*block_size tokens."""
+    chain = _chain(ids, block_size, limit)
+    return [chain[i:i + HASH_BYTES] for i in range(0, len(chain), HASH_BYTES)]
+
+
+def _chain(ids: list[int], block_size: int, limit: int | None = None, known: bytes = b"") -> bytes:
+    """block_hashes, concatenated. `known`: the hashes of leading blocks already established equal to these
+    ids' own; the chain continues from there, so a turn hashes only its new blocks."""
     count = len(ids) // block_size if limit is None else min(limit, len(ids) // block_size)
-    out, previous = [], b""
-    data = _tokens_bytes(ids[:count * block_size])
-    width = block_size * 8
-    for i in range(count):
+    start = min(len(known) // HASH_BYTES, count)
+    out = [known[:start * HASH_BYTES]]
+    previous = known[(start - 1) * HASH_BYTES:start * HASH_BYTES] if start else b""
+    width = block_size * TOKEN_BYTES
+    data = _tokens_bytes(ids, count * block_size)
+    for i in range(start, count):
         previous = blake2b(previous + data[i * width:(i + 1) * width], digest_size=HASH_BYTES).digest()
         out.append(previous)
-    return out
+    return b"".join(out)
+
+
+def held_fingerprint(rendered: list[int], engine_prompt: list[int] | None, output: list[int], held_tokens: int,
+                     block_size: int, *, previous: Fingerprint | None = None,
+                     verified_tokens: int = 0) -> tuple[int, Fingerprint]:
+    """(len(S), fingerprint of S) for D's held tokens S = D's prompt ids + its output ids.
+
+    When D's prompt is the rendered one (the usual case) S reuses the rendered ids' bytes, and the blocks the
+    continuity check verified against `previous` (the first `verified_tokens`) keep their hashes: the cost is
+    the new blocks, not the conversation."""
+    if engine_prompt is None:
+        tokens: list[int] = list(output)
+    elif isinstance(rendered, TokenIds) and (engine_prompt is rendered or engine_prompt == rendered):
+        tokens = rendered.plus(output)
+        return len(tokens), Fingerprint.of(tokens, held_tokens, block_size, previous=previous,
+                                           verified_tokens=verified_tokens)
+    else:
+        tokens = engine_prompt + output
+    return len(tokens), Fingerprint.of(tokens, held_tokens, block_size)
 
 
 @dataclass(frozen=True)
@@ -44,9 +79,15 @@ class Fingerprint:
     prefix_hash: bytes        # hash of S[:R]
 
     @classmethod
-    def of(cls, tokens: list[int], held_tokens: int, block_size: int) -> Fingerprint:
+    def of(cls, tokens: list[int], held_tokens: int, block_size: int, *,
+           previous: Fingerprint | None = None, verified_tokens: int = 0) -> Fingerprint:
+        """`previous` and `verified_tokens`: an earlier fingerprint whose sequence is known to equal `tokens` on
+        the first `verified_tokens` (a reuse the continuity check proved): its block hashes are carried over."""
         held = min(held_tokens, len(tokens))
-        return cls(block_size, held, b"".join(block_hashes(tokens, block_size)), prefix_hash(tokens, held))
+        known = b""
+        if previous is not None and previous.block_size == block_size:
+            known = previous.block_hashes[:(verified_tokens // block_size) * HASH_BYTES]
+        return cls(block_size, held, _chain(tokens, block_size, known=known), prefix_hash(tokens, held))
 
     def common_blocks(self, ids: list[int], limit: int) -> int:
         """How many leading full blocks of `ids` equal those of S (at most `limit`)."""

@@ -26,7 +26,7 @@ from gateway.telemetry import Metrics, log_turn
 from gateway.tracing import NO_TRACING, NO_TURN, Tracing, TurnTrace
 from gateway.turns import plan as plans
 from gateway.turns.admission import Admission, Ticket
-from gateway.turns.continuity import Fingerprint
+from gateway.turns.continuity import Fingerprint, held_fingerprint
 from gateway.turns.legs import DecodeCapture, TurnRequest, decode_body, prefill_body, prompt_ids_of
 from gateway.turns.plan import Plan, Reason
 from gateway.turns.release import HandleReleaser
@@ -128,8 +128,7 @@ class TurnRunner:
             return plans.full(Reason.DECODE_UNAVAILABLE)     # nobody left to read from or to release
         if record.model != req.model:
             return plans.full(Reason.MODEL_CHANGED, release=start.handle)
-        held = Fingerprint(record.block_size, record.held_tokens, record.block_hashes, record.prefix_hash)
-        return plans.plan_with_handle(req.prompt_ids, held, start.handle)
+        return plans.plan_with_handle(req.prompt_ids, _fingerprint(record), start.handle)
 
     # -- P leg ---------------------------------------------------------------------------------------
     async def _prefill_leg(self, turn: _Turn) -> None:
@@ -242,12 +241,13 @@ class TurnRunner:
                 self.releaser.release(handle, "unused")
             return
         now = time.time()
-        tokens = (capture.prompt_ids or []) + capture.output_ids
-        fingerprint = Fingerprint.of(tokens, handle["remote_num_tokens"] if handle else 0, self.block_size)
         previous = turn.start.record
+        num_tokens, fingerprint = held_fingerprint(      # hashes only the blocks the plan did not verify
+            turn.req.prompt_ids, capture.prompt_ids, capture.output_ids, handle["remote_num_tokens"] if handle else 0,
+            self.block_size, previous=_fingerprint(previous), verified_tokens=turn.plan.reused_tokens)
         record = Conversation(
             decode_engine=turn.decode.url, prefill_engine=turn.prefill.url, model=turn.req.model,
-            block_size=self.block_size, num_tokens=len(tokens), held_tokens=fingerprint.held_tokens,
+            block_size=self.block_size, num_tokens=num_tokens, held_tokens=fingerprint.held_tokens,
             block_hashes=fingerprint.block_hashes, prefix_hash=fingerprint.prefix_hash,
             handle_note="" if handle else _missing_note(turn.req, capture),
             created_at=previous.created_at if previous else now, updated_at=now)
@@ -341,6 +341,13 @@ class TurnRunner:
             raise
         finally:
             self.metrics.store_seconds.labels(op).observe(time.perf_counter() - began)
+
+
+def _fingerprint(record: Conversation | None) -> Fingerprint | None:
+    """D's held tokens of the conversation's last turn, as the store keeps them."""
+    if record is None:
+        return None
+    return Fingerprint(record.block_size, record.held_tokens, record.block_hashes, record.prefix_hash)
 
 
 _NO_HANDLE_REASONS = {"expired": Reason.HANDLE_EXPIRED, "in_flight": Reason.CONCURRENT_TURN}
