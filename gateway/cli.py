@@ -27,6 +27,8 @@ HELP = {
     "stream_handle_policy": "when D streams without its handle: miss (count it) or buffer (non-streamed D leg, re-streamed)",
     "history_tokens": "rendered (default) or generated",
     "decode_load_bound": "outstanding requests above which a conversation leaves its D",
+    "prefill_affinity": "prefer the P that prefilled the conversation's last turn (its prefix cache holds that prompt)",
+    "prefill_affinity_slack_tokens": "keep that P while its queued prompt tokens exceed the least loaded P's by at most this",
     "pd_headers": "send X-PD-Plan / X-PD-Reason / X-PD-Reused-Tokens",
     "max_body_bytes": "largest accepted request body",
     "connect_timeout_s": "engine connect timeout",

@@ -61,6 +61,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stream_handle_policy: StreamHandlePolicy = "miss"
     history_tokens: HistoryTokens = "rendered"
     decode_load_bound: PositiveInt = 64            # outstanding requests above which affinity yields
+    prefill_affinity: bool = True                  # prefer the P that prefilled the conversation's last turn
+    prefill_affinity_slack_tokens: int = 2048      # ... while within this many queued prompt tokens of the least loaded
     pd_headers: bool = True                        # X-PD-Plan / X-PD-Reason / X-PD-Reused-Tokens
     max_body_bytes: PositiveInt = 8 * 1024 * 1024
     connect_timeout_s: Seconds = 2.0

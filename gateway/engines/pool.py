@@ -114,10 +114,22 @@ class EnginePool:
     def healthy(self) -> list[Engine]:
         return [e for e in self.engines.values() if e.healthy]
 
-    def pick_prefill(self, exclude: frozenset[str] = frozenset()) -> Engine:
+    def pick_prefill(self, affinity: str | None = None, slack_tokens: int = 0,
+                     exclude: frozenset[str] = frozenset()) -> Engine:
+        """Fewest outstanding prompt tokens. `affinity`: the P that prefilled the conversation's last turn (its
+        prefix cache still holds that prompt, so D's handle only has to supply the rest) is kept while its
+        load is within `slack_tokens` of the least loaded: a hot conversation cannot pin an overloaded P."""
         now = time.monotonic()
-        return min(self._candidates(now, exclude),
-                   key=lambda e: e.outstanding_tokens + RAMP_TOKENS * e.ramp(now))
+        candidates = self._candidates(now, exclude)
+
+        def load(e: Engine) -> float:
+            return e.outstanding_tokens + RAMP_TOKENS * e.ramp(now)
+
+        best = min(candidates, key=load)
+        preferred = self.get(affinity)
+        if preferred is not None and preferred in candidates and load(preferred) <= load(best) + slack_tokens:
+            return preferred
+        return best
 
     def pick_decode(self, affinity: str | None = None, load_bound: int = 64,
                     exclude: frozenset[str] = frozenset()) -> Engine:

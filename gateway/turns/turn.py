@@ -145,7 +145,8 @@ class TurnRunner:
 
     async def _call_prefill(self, turn: _Turn) -> dict[str, Any]:
         while True:
-            turn.prefill = turn.pick(lambda failed: self.prefill_pool.pick_prefill(exclude=failed))
+            turn.prefill = turn.pick(lambda failed: self.prefill_pool.pick_prefill(
+                self._prefill_affinity(turn), self.settings.prefill_affinity_slack_tokens, exclude=failed))
             body = prefill_body(turn.req, turn.plan.prefill_params)
             try:
                 return await self._leg(turn.prefill, self.client.post_json(
@@ -157,6 +158,10 @@ class TurnRunner:
                 turn.retry_after(exc, turn.prefill)      # P may have consumed D's handle: no handle now
                 if turn.plan.handle is not None:
                     turn.plan = plans.full(Reason.PREFILL_FAILED)
+
+    def _prefill_affinity(self, turn: _Turn) -> str | None:
+        record = turn.start.record if turn.start else None
+        return record.prefill_engine if record and self.settings.prefill_affinity else None
 
     # -- D leg ---------------------------------------------------------------------------------------
     async def _decode_leg(self, turn: _Turn) -> TurnReply:
