@@ -65,7 +65,12 @@ class Renderer:
         return encoder
 
     def _encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        """Straight to the Rust tokenizer (transformers' wrapper costs more than a short piece); start-up
+        verification compares the result with transformers' own encode, so a difference disables cutting."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or backend.truncation is not None or backend.padding is not None:
+            return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
 
     def _encode_whole(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
