@@ -6,7 +6,7 @@ Foreign errors are translated here, at the boundary, into the gateway's error tr
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -63,14 +63,15 @@ class EngineClient:
         self._session = session
 
     async def post_json(self, base_url: str, path: str, body: dict[str, Any], *, timeout_s: float,
-                        headers: dict[str, str] | None = None) -> dict[str, Any]:
+                        headers: dict[str, str] | None = None,
+                        decode: Callable[[bytes], dict[str, Any]] = _decode) -> dict[str, Any]:
         try:
             async with asyncio.timeout(timeout_s):
                 async with self._session.post(base_url + path, data=_encode(body),
                                               headers={**JSON_HEADERS, **(headers or {})}) as resp:
                     payload = await resp.read()
                     _raise_for_status(resp.status, payload)
-                    return _decode(payload)
+                    return decode(payload)
         except TimeoutError:
             raise EngineTimeoutError("engine did not answer in time") from None
         except msgspec.DecodeError as exc:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Literal
+
+import msgspec
 
 Endpoint = Literal["/v1/chat/completions", "/v1/completions"]
 
@@ -11,6 +14,8 @@ Endpoint = Literal["/v1/chat/completions", "/v1/completions"]
 _DECODE_ONLY = ("stream", "stream_options", "min_tokens", "max_completion_tokens", "logprobs", "top_logprobs")
 # Engine-internal fields a client never sees unless it asked for token ids.
 _TOKEN_FIELDS = ("prompt_token_ids", "token_ids")
+_PROMPT_IDS_KEY = b'"prompt_token_ids":'
+_decode = msgspec.json.Decoder().decode
 
 
 @dataclass
@@ -23,6 +28,28 @@ class TurnRequest:
     want_token_ids: bool              # the client itself asked for return_token_ids
     include_usage: bool
     request_id: str
+
+    @cached_property
+    def prompt_json(self) -> bytes:
+        """The prompt ids as JSON, encoded once per turn."""
+        return msgspec.json.encode(self.prompt_ids)
+
+    def decode_answer(self, raw: bytes) -> dict[str, Any]:
+        """An engine's JSON answer (or SSE event) as a dict. A top-level `prompt_token_ids` that is byte for byte
+        this request's own encoding becomes `self.prompt_ids` itself: an echo of a 32k-token prompt then costs
+        a memory compare, not decoding and comparing 32k ints."""
+        at = raw.find(_PROMPT_IDS_KEY) if self.endpoint == "/v1/chat/completions" else -1
+        if at < 0 or raw.count(_PROMPT_IDS_KEY) != 1:
+            return _decode(raw)
+        start = at + len(_PROMPT_IDS_KEY)
+        end = start + len(self.prompt_json)
+        if raw[start:end] != self.prompt_json or raw[end:end + 1] not in (b",", b"}"):
+            return _decode(raw)
+        answer = _decode(raw[:at] + b'"prompt_token_ids":null' + raw[end:])
+        if answer.get("prompt_token_ids", 0) is not None:     # the key sat in a nested object: decode plainly
+            return _decode(raw)
+        answer["prompt_token_ids"] = self.prompt_ids
+        return answer
 
 
 def prefill_body(req: TurnRequest, params: dict[str, Any]) -> dict[str, Any]:

@@ -151,7 +151,7 @@ class TurnRunner:
             try:
                 return await self._leg(turn.prefill, self.client.post_json(
                     turn.prefill.url, turn.req.endpoint, body, timeout_s=self.settings.prefill_timeout_s,
-                    headers=self._headers(turn, "prefill")), len(turn.req.prompt_ids))
+                    headers=self._headers(turn, "prefill"), decode=turn.req.decode_answer), len(turn.req.prompt_ids))
             except EngineConnectError as exc:
                 turn.retry_after(exc, turn.prefill)      # P never saw it: the same plan, another P
             except UpstreamError as exc:
@@ -218,7 +218,7 @@ class TurnRunner:
                     first = False
                 if event == sse.DONE:
                     break
-                yield sse.frame(_encode(capture.take(_decode(event), turn.req.want_token_ids)))
+                yield sse.frame(_encode(capture.take(turn.req.decode_answer(event), turn.req.want_token_ids)))
             if not capture.handle and capture.finished:
                 self.metrics.handles_missing.labels(Reason.HANDLE_NOT_STREAMED.value).inc()
             await self._record(turn, capture)
