@@ -34,6 +34,14 @@ class TurnRequest:
         """The prompt ids as JSON, encoded once per turn."""
         return msgspec.json.encode(self.prompt_ids)
 
+    @cached_property
+    def forwarded(self) -> dict[str, Any]:
+        """The body both legs start from, its bulky parts (the history, the ids) encoded once for both."""
+        body = dict(self.body)
+        if isinstance(body.get("messages"), list):
+            body["messages"] = msgspec.Raw(msgspec.json.encode(body["messages"]))
+        return body
+
     def decode_answer(self, raw: bytes) -> dict[str, Any]:
         """An engine's JSON answer (or SSE event) as a dict. A top-level `prompt_token_ids` that is byte for byte
         this request's own encoding becomes `self.prompt_ids` itself: an echo of a 32k-token prompt then costs
@@ -53,25 +61,28 @@ class TurnRequest:
 
 
 def prefill_body(req: TurnRequest, params: dict[str, Any]) -> dict[str, Any]:
-    body = {k: v for k, v in req.body.items() if k not in _DECODE_ONLY}
+    """P's leg. The history and the ids are msgspec.Raw (already-encoded JSON) shared with D's leg."""
+    body = {k: v for k, v in req.forwarded.items() if k not in _DECODE_ONLY}
     body.update(max_tokens=1, stream=False, return_token_ids=True, kv_transfer_params=_pinned(req, params))
     return _with_prompt(req, body)
 
 
 def decode_body(req: TurnRequest, prefill_handle: dict[str, Any] | None) -> dict[str, Any]:
-    body = dict(req.body)
+    body = dict(req.forwarded)
     body.update(return_token_ids=True, kv_transfer_params=_pinned(req, prefill_handle or {}))
     return _with_prompt(req, body)
 
 
 def _pinned(req: TurnRequest, params: dict[str, Any]) -> dict[str, Any]:
     """vLLM 0.32+ chat uses kv_transfer_params.prompt_token_ids instead of rendering: the verified ids."""
-    return {**params, "prompt_token_ids": req.prompt_ids} if req.endpoint == "/v1/chat/completions" else params
+    if req.endpoint != "/v1/chat/completions":
+        return params
+    return {**params, "prompt_token_ids": msgspec.Raw(req.prompt_json)}
 
 
 def _with_prompt(req: TurnRequest, body: dict[str, Any]) -> dict[str, Any]:
     if req.endpoint == "/v1/completions":
-        body["prompt"] = req.prompt_ids
+        body["prompt"] = msgspec.Raw(req.prompt_json)
     return body
 
 

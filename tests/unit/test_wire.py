@@ -1,5 +1,6 @@
 """SSE framing, request validation and what the client is allowed to see of D's answer."""
 
+import msgspec
 import pytest
 
 from gateway.api.schemas import ChatRequest, CompletionRequest, parse
@@ -40,6 +41,11 @@ def test_completion_prompt_forms():
         parse(b'{"prompt":[]}', CompletionRequest)
 
 
+def _json(value):
+    """What goes on the wire (the bodies hold pre-encoded msgspec.Raw parts)."""
+    return msgspec.json.decode(msgspec.json.encode(value))
+
+
 def _turn(**kw) -> TurnRequest:
     base = dict(endpoint="/v1/chat/completions", body={"messages": [], "stream": True, "max_tokens": 50,
                                                        "min_tokens": 3, "stream_options": {"include_usage": True}},
@@ -52,7 +58,7 @@ def test_prefill_body_is_one_token_non_streamed_with_pinned_ids():
     body = prefill_body(_turn(), {"do_remote_decode": True})
     assert body["max_tokens"] == 1 and body["stream"] is False
     assert "stream_options" not in body and "min_tokens" not in body
-    assert body["kv_transfer_params"] == {"do_remote_decode": True, "prompt_token_ids": [1, 2, 3]}
+    assert _json(body["kv_transfer_params"]) == {"do_remote_decode": True, "prompt_token_ids": [1, 2, 3]}
 
 
 def test_decode_body_keeps_the_clients_request():
@@ -64,7 +70,7 @@ def test_decode_body_keeps_the_clients_request():
 
 def test_completions_send_token_ids_as_prompt():
     body = prefill_body(_turn(endpoint="/v1/completions", body={"prompt": "abc"}), {})
-    assert body["prompt"] == [1, 2, 3] and "prompt_token_ids" not in body["kv_transfer_params"]
+    assert _json(body)["prompt"] == [1, 2, 3] and "prompt_token_ids" not in body["kv_transfer_params"]
 
 
 def test_capture_strips_engine_internals_unless_asked():
