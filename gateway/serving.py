@@ -8,6 +8,9 @@ from pathlib import Path
 import uvicorn
 
 
+KEEP_ALIVE_S = 75
+
+
 def bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -19,7 +22,10 @@ def bind(host: str, port: int) -> socket.socket:
 def serve(app, host: str, port: int, *, port_file: str | None = None, log_level: str = "info") -> None:
     sock = bind(host, port)
     # log_config=None: uvicorn's records go through the root handler, so --log-format json covers them too.
+    # Keep-alive longer than clients' and load balancers' idle timeouts, so the gateway is never the side
+    # that closes an idle connection just as a request is being written on it.
     config = uvicorn.Config(app, loop="uvloop", http="httptools", log_level=log_level, access_log=False,
+                            timeout_keep_alive=KEEP_ALIVE_S,
                             lifespan="on", timeout_graceful_shutdown=5, log_config=None)
     server = uvicorn.Server(config)
     if port_file:

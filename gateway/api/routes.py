@@ -10,6 +10,7 @@ from litestar import Request, Response, get, post
 from litestar.datastructures import State
 from litestar.response import Stream
 
+from gateway.api.openapi import openapi_json
 from gateway.api.schemas import ChatRequest, CompletionRequest, parse
 from gateway.errors import InvalidRequestError
 from gateway.store import ConversationKey
@@ -58,7 +59,7 @@ async def metrics(state: State) -> bytes:
     return state.metrics.render()
 
 
-ROUTES = [chat_completions, completions, models, health, ready, metrics]
+ROUTES = [chat_completions, completions, models, health, ready, metrics, openapi_json]
 
 
 def _respond(reply: TurnReply) -> Response:

@@ -141,8 +141,11 @@ class EnginePool:
         return min(candidates, key=lambda e: e.outstanding_requests + RAMP_REQUESTS * e.ramp(now))
 
     def _candidates(self, now: float, exclude: frozenset[str]) -> list[Engine]:
-        """Engines passing the filter, rotated on every call so that ties in load are broken round-robin."""
-        candidates = [e for e in self.engines.values() if e.url not in exclude and e.available(now)]
+        """Engines passing the filter, rotated on every call so that ties in load are broken round-robin.
+        When every healthy engine is ejected (overload makes all of them slow at once), ejection is
+        ignored: a slow engine serves better than none ("panic mode")."""
+        healthy = [e for e in self.engines.values() if e.url not in exclude and e.healthy]
+        candidates = [e for e in healthy if e.breaker.allows(now)] or healthy
         if not candidates:
             raise EngineUnavailableError(f"no available {self.role} engine")
         start = next(self._rotation) % len(candidates)

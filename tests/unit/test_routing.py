@@ -51,6 +51,14 @@ def test_breaker_ejects_after_consecutive_failures_then_half_opens(monkeypatch):
     assert d0.available(now[0]) and d0.ramp(now[0]) == 1.0
 
 
+def test_all_ejected_means_panic_mode_not_503():
+    p = pool(2)
+    for engine in p.engines.values():
+        for _ in range(pool_module.FAILURES_TO_EJECT):
+            engine.failed()
+    assert p.pick_decode().url in p.engines
+
+
 def test_readmitted_engine_takes_traffic_gradually(monkeypatch):
     now = [1000.0]
     monkeypatch.setattr(pool_module.time, "monotonic", lambda: now[0])

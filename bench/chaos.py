@@ -1,0 +1,303 @@
+"""Chaos run: several gateway replicas on one real Redis, 2 simulated P and 2 simulated D, a few hundred
+concurrent multi-turn conversations, while engines of each role are killed and restarted, Redis restarts,
+clients disconnect mid-stream, turns of one session race, an engine turns slow past its deadline, and bad
+input keeps coming. Then the simulators' oracle and the clients' own records are checked.
+
+    python bench/chaos.py [--quick]
+
+Last line: chaos: turns=N corrupt=0 hung=0 leaked_pins=0 bad_input_5xx=0 non_openai_errors=0 reuse_rate=R
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import signal
+import sys
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gateway.processes import Server, start  # noqa: E402
+from tests.redis_server import RedisServer  # noqa: E402
+
+TTL_S = 8                      # D pins and P leases are short so that leaks would show within the run
+GATEWAY_FLAGS = ["--prefill-timeout-s", "4", "--decode-first-byte-timeout-s", "4", "--decode-idle-timeout-s",
+                 "1.5", "--max-retries", "2", "--decoder-kv-blocks-ttl-s", str(TTL_S), "--handle-ttl-margin-s",
+                 "3", "--health-interval-s", "0.5", "--log-level", "warning"]
+SIM_FLAGS = ["--output-tokens", "70:110", "--kv-lease-duration", str(TTL_S), "--decoder-kv-blocks-ttl",
+             str(TTL_S), "--log-level", "warning"]
+HUNG_S = 30.0                  # a turn lasting longer is hung: every deadline above sums to well under it
+WORDS = "cache block token engine stream prefix decode prefill lease handle answer model river orbit".split()
+BAD_INPUTS = [b"{nope", b"[]", b'{"model":"demo"}', b'{"messages":"x"}', b'{"messages":[{"role":1}]}',
+              b'{"model":"demo","messages":[{"role":"user","content":"x"}],"n":4}',
+              b'{"model":"other","messages":[{"role":"user","content":"x"}]}',
+              b'{"model":"demo","messages":[{"role":"user","content":"x"}],"max_tokens":-3}']
+
+
+@dataclass
+class Tally:
+    turns: int = 0
+    later_turns: int = 0
+    reused: int = 0
+    hung: int = 0
+    failed: int = 0
+    non_openai_errors: int = 0
+    bad_input_5xx: int = 0
+    disconnects: int = 0
+    corrupt: int = 0
+    leaked_pins: int = 0
+    notes: list[str] = field(default_factory=list)
+    errors: Counter = field(default_factory=Counter)
+    timeline: Counter = field(default_factory=Counter)
+    began: float = field(default_factory=time.monotonic)
+
+
+class Fleet:
+    def __init__(self, replicas: int) -> None:
+        self.redis = RedisServer().start()
+        self.dead_stats: list[dict] = []
+        self.prefill = [self._sim("prefill", f"p{i}") for i in range(2)]
+        self.decode = [self._sim("decode", f"d{i}") for i in range(2)]
+        engines = [a for s in self.prefill for a in ("--prefill", s.url)] + \
+                  [a for s in self.decode for a in ("--decode", s.url)]
+        self.gateways = [start(["serve", *engines, "--redis-url", self.redis.url, *GATEWAY_FLAGS])
+                         for _ in range(replicas)]
+
+    def _sim(self, role: str, name: str, port: int = 0) -> Server:
+        # A restarted engine gets a new engine id, as vLLM does unless one is configured.
+        policy = "recompute" if role == "prefill" else "fail"
+        return start(["sim", "--role", role, "--engine-id", f"{name}-{uuid.uuid4().hex[:6]}",
+                      "--kv-load-failure-policy", policy, "--stream-kv-params", *SIM_FLAGS], port=port)
+
+    @property
+    def sims(self) -> list[Server]:
+        return [*self.prefill, *self.decode]
+
+    async def restart(self, pool: list[Server], index: int, down_s: float) -> None:
+        old = pool[index]
+        self.dead_stats.append(await stats(old))
+        old.stop(signal.SIGKILL)
+        await asyncio.sleep(down_s)
+        role = "prefill" if pool is self.prefill else "decode"
+        pool[index] = await asyncio.to_thread(self._sim, role, f"{role[0]}{index}", old.port)
+
+    def stop(self) -> None:
+        for server in [*self.gateways, *self.sims]:
+            server.stop()
+        self.redis.stop()
+
+
+async def stats(server: Server) -> dict:
+    async with aiohttp.ClientSession() as http, http.get(server.url + "/sim/stats") as resp:
+        return await resp.json()
+
+
+async def set_timing(server: Server, **timing: float) -> None:
+    async with aiohttp.ClientSession() as http, http.post(server.url + "/sim/timing", json=timing) as resp:
+        resp.raise_for_status()
+
+
+def openai_error(payload: object) -> bool:
+    error = payload.get("error") if isinstance(payload, dict) else None
+    return isinstance(error, dict) and {"message", "type", "param", "code"} <= set(error)
+
+
+async def turn(http: aiohttp.ClientSession, fleet: Fleet, session: str, messages: list[dict], tally: Tally,
+               *, disconnect: bool = False) -> str | None:
+    """One turn through a random replica; returns the answer, or None when the turn did not complete."""
+    stream = disconnect or random.random() < 0.5
+    body = {"model": "demo", "messages": messages, "max_tokens": 120, "stream": stream}
+    url = random.choice(fleet.gateways).url + "/v1/chat/completions"
+    began = time.monotonic()
+    try:
+        async with http.post(url, json=body, headers={"X-Session-Id": session}) as resp:
+            answer = await (_read_stream(resp, tally, disconnect) if stream else _read_json(resp, tally))
+            plan = resp.headers.get("X-PD-Plan")
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        tally.non_openai_errors += 1
+        tally.notes.append(f"transport: {exc!r}")
+        answer, plan = None, None
+    if time.monotonic() - began > HUNG_S:
+        tally.hung += 1
+    tally.turns += 1
+    if len(messages) > 1 and answer is not None:
+        tally.later_turns += 1
+        tally.reused += plan in ("reuse", "partial")
+    return answer
+
+
+async def _read_json(resp: aiohttp.ClientResponse, tally: Tally) -> str | None:
+    payload = await resp.json(content_type=None)
+    if resp.status == 200:
+        return payload["choices"][0]["message"]["content"]
+    tally.failed += 1
+    _check_error(payload, tally, f"HTTP {resp.status}")
+    return None
+
+
+def _check_error(payload: object, tally: Tally, where: str) -> None:
+    if openai_error(payload):
+        tally.errors[f"{where} {payload['error']['code']}"] += 1
+        tally.timeline[(int(time.monotonic() - tally.began) // 5 * 5, str(payload["error"]["code"]))] += 1
+    else:
+        tally.non_openai_errors += 1
+        tally.notes.append(f"{where}: not an OpenAI error: {str(payload)[:200]}")
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, tally: Tally, disconnect: bool) -> str | None:
+    if resp.status != 200:
+        return await _read_json(resp, tally)
+    text, done = [], False
+    async for line in resp.content:
+        if disconnect:
+            tally.disconnects += 1
+            return None                     # leaving the `async with` closes the connection mid-stream
+        if not line.startswith(b"data: "):
+            continue
+        if line.strip() == b"data: [DONE]":
+            done = True
+            break
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            tally.failed += 1
+            _check_error(chunk, tally, "SSE event")
+            return None
+        if chunk.get("choices"):
+            text.append(chunk["choices"][0]["delta"].get("content") or "")
+    if not done:                            # the stream ended without [DONE] and without an error event
+        tally.non_openai_errors += 1
+        tally.notes.append(f"stream cut without an error event after {len(text)} chunks")
+        return None
+    return "".join(text)
+
+
+async def conversations(http: aiohttp.ClientSession, fleet: Fleet, turns: int, tally: Tally,
+                        until: float) -> None:
+    """One client: conversation after conversation of `turns` turns, until the deadline."""
+    while time.monotonic() < until:
+        await conversation(http, fleet, turns, tally)
+
+
+async def conversation(http: aiohttp.ClientSession, fleet: Fleet, turns: int, tally: Tally) -> None:
+    session, messages = uuid.uuid4().hex, []
+    for _ in range(turns):
+        messages.append({"role": "user", "content": " ".join(random.choices(WORDS, k=random.randint(8, 40)))})
+        if random.random() < 0.05:          # two turns of one session at once
+            answers = await asyncio.gather(turn(http, fleet, session, list(messages), tally),
+                                           turn(http, fleet, session, list(messages), tally))
+            answer = next((a for a in answers if a is not None), None)
+        else:
+            answer = await turn(http, fleet, session, messages, tally, disconnect=random.random() < 0.05)
+        if answer is None:
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": answer})
+
+
+async def bad_input(http: aiohttp.ClientSession, fleet: Fleet, tally: Tally, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        url = random.choice(fleet.gateways).url + "/v1/chat/completions"
+        try:
+            async with http.post(url, data=random.choice(BAD_INPUTS),
+                                 headers={"Content-Type": "application/json"}) as resp:
+                payload = await resp.json(content_type=None)
+                tally.bad_input_5xx += resp.status >= 500
+                _check_error(payload, tally, f"bad input HTTP {resp.status}")
+        except aiohttp.ClientError as exc:
+            tally.non_openai_errors += 1
+            tally.notes.append(f"bad input transport: {exc!r}")
+        await asyncio.sleep(0.05)
+
+
+FAULTS = [
+    ("kill P0, restart it 2 s later", lambda fleet, period: fleet.restart(fleet.prefill, 0, down_s=2)),
+    ("restart Redis", lambda fleet, period: asyncio.to_thread(fleet.redis.restart)),
+    ("kill D1, restart it 2 s later", lambda fleet, period: fleet.restart(fleet.decode, 1, down_s=2)),
+    ("slow D0 past its deadlines", lambda fleet, period: slow(fleet.decode[0], period)),
+]
+
+
+async def faults(fleet: Fleet, period: float, log: list[str]) -> None:
+    began = time.monotonic()
+    for name, action in FAULTS:
+        await asyncio.sleep(period)
+        log.append(f"{time.strftime('%H:%M:%S')} +{time.monotonic() - began:.0f}s {name}")
+        await action(fleet, period)
+
+
+async def slow(server: Server, seconds: float) -> None:
+    await set_timing(server, decode_ms_per_token=2500)
+    await asyncio.sleep(seconds)
+    await set_timing(server, decode_ms_per_token=0)
+
+
+async def settle(fleet: Fleet, tally: Tally) -> None:
+    """After the TTLs, no engine may still pin or lease blocks; then sum the oracle's corrupt reads."""
+    deadline = time.monotonic() + 2 * TTL_S + 5
+    while True:
+        current = await asyncio.gather(*(stats(s) for s in fleet.sims))
+        held = sum(s["handles_pinned"] + s["handles_leased_now"] for s in current)
+        if held == 0 or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.5)
+    tally.leaked_pins = held
+    tally.corrupt = sum(s["kv_reads_corrupt"] for s in [*current, *fleet.dead_stats])
+    for s in [*current, *fleet.dead_stats]:
+        keys = ("kv_reads_corrupt", "requests_corrupt", "handles_double_read", "handles_read_after_expiry",
+                "kv_reads_declined", "kv_load_failures", "requests_aborted", "handles_expired")
+        tally.notes.append(f"{s['engine_id']}: " + " ".join(f"{k}={s[k]}" for k in keys))
+
+
+async def run(clients: int, turns: int, fault_period: float, replicas: int) -> Tally:
+    fleet = await asyncio.to_thread(Fleet, replicas)
+    tally, fault_log, stop = Tally(), [], asyncio.Event()
+    try:
+        timeout = aiohttp.ClientTimeout(total=HUNG_S + 30)
+        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
+            noise = asyncio.create_task(bad_input(http, fleet, tally, stop))
+            began = tally.began = time.monotonic()
+            chaos = asyncio.create_task(faults(fleet, fault_period, fault_log))
+            until = began + fault_period * (len(FAULTS) + 2)    # load before, during and after every fault
+            await asyncio.gather(*(conversations(http, fleet, turns, tally, until) for _ in range(clients)))
+            await chaos
+            stop.set()
+            await noise
+            elapsed = time.monotonic() - began
+        await settle(fleet, tally)
+    finally:
+        fleet.stop()
+    print("\n".join(fault_log))
+    print(f"load: {tally.turns} turns in {elapsed:.1f}s, {tally.failed} failed with an OpenAI error, "
+          f"{tally.disconnects} client disconnects")
+    print("errors:", dict(tally.errors.most_common()))
+    print("timeline:", sorted(tally.timeline.items()))
+    for note in tally.notes[-12:]:
+        print("note:", note)
+    return tally
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="about 2 minutes")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    random.seed(args.seed)
+    size = dict(clients=150, turns=4, fault_period=8.0, replicas=3) if args.quick else \
+        dict(clients=300, turns=6, fault_period=20.0, replicas=3)
+    t = asyncio.run(run(**size))
+    reuse_rate = t.reused / t.later_turns if t.later_turns else 0.0
+    print(f"chaos: turns={t.turns} corrupt={t.corrupt} hung={t.hung} leaked_pins={t.leaked_pins} "
+          f"bad_input_5xx={t.bad_input_5xx} non_openai_errors={t.non_openai_errors} reuse_rate={reuse_rate:.2f}")
+
+
+if __name__ == "__main__":
+    main()
