@@ -102,19 +102,23 @@ class Engine:
         try:
             await self._seats.acquire()
         except asyncio.CancelledError:
+            if beats is not None:
+                beats.cancel()
             if source is not None:  # dropped before reading: tell the holder to free its blocks
                 self._spawn(self._notify(source))
             raise
         finally:
             self.waiting -= 1
-            if beats is not None:
-                beats.cancel()
         self.running += 1
         try:
+            # Heartbeats go on until the KV has been read: waiting for free blocks is waiting too.
             return await self._prefill(req, source)
         except BaseException:
             self._leave(failed=True)
             raise
+        finally:
+            if beats is not None:
+                beats.cancel()
 
     async def decode(self, run: Running) -> AsyncIterator[int]:
         for token in run.answer.token_ids:
@@ -289,7 +293,7 @@ class Engine:
             self.stats.heartbeats_sent += 1
 
     async def _heartbeats(self, source: KVSource) -> None:
-        """While queued, keep P's lease alive."""
+        """From arrival until the read, keep P's lease alive (queued for a seat or for free blocks)."""
         period = max(0.2, self.settings.kv_lease_duration / 3)
         while True:
             await asyncio.sleep(period)

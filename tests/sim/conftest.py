@@ -26,6 +26,8 @@ FLEET: dict[str, tuple[str, ...]] = {
     "d_stream": ("--role", "decode", "--stream-kv-params"),
     "d_small": ("--role", "decode", "--num-blocks", "40", "--kv-recompute-threshold", "0"),
     "d_ttl": ("--role", "decode", "--decoder-kv-blocks-ttl", "0.6"),
+    "d_tiny": ("--role", "decode", "--num-blocks", "48", "--decoder-kv-blocks-ttl", "2", "--output-tokens", "8:8",
+               "--kv-lease-duration", "0.6"),  # D beats at the lease P uses: both read the same setting
     "d_slow": ("--role", "decode", "--decode-ms-per-token", "40", "--output-tokens", "40:40"),
     "c": ("--role", "colocated",),
     "c_reasoning": ("--role", "colocated", "--reasoning", "--tokenizer", "builtin:demo-reasoning"),

@@ -90,3 +90,20 @@ def test_unreachable_holder_fails_d_under_fail_policy(sims: Sims, fleet: Fleet) 
         assert '"error"' in frames[-2] and '"code":500' in frames[-2]
     finally:
         del fleet.servers["p"]
+
+
+def test_heartbeats_keep_p_leased_while_d_waits_for_free_blocks(sims: Sims, fleet: Fleet) -> None:
+    """D's pinned handles fill its pool; a new D request waits for blocks longer than P's lease. vLLM's D keeps
+    heart-beating P from arrival until it has read, so the read is of live blocks, never of freed ones."""
+    p_pin, p, d = fleet("p", "p_lease", "d_tiny")
+    sims.reset(p_pin, p, d)
+    sims.turn(p_pin, d, [user(long_text(150, "fill"))])          # pins most of D's 48 blocks for 2 s
+    assert sims.stats(d)["handles_pinned"] == 1
+    messages = [user(long_text(120, "wait"))]
+    handle = sims.prefill(p, messages)["kv_transfer_params"]     # leased for 0.6 s only
+    began = time.monotonic()
+    sims.decode(d, messages, handle)
+    assert time.monotonic() - began > 3 * SHORT_HOLD_S          # it did wait for D's pin to expire
+    ps = sims.stats(p)
+    assert ps["handles_expired"] == 0 and ps["handles_read_after_expiry"] == 0
+    assert sims.stats(d)["kv_reads_corrupt"] == 0
