@@ -33,7 +33,9 @@ class EngineStream:
     def __init__(self, response: aiohttp.ClientResponse, idle_timeout_s: float) -> None:
         self._response = response
         self._idle = idle_timeout_s
-        self._events = sse.events(self._chunks())
+        self._reads = self._chunks()
+        self._splitter = sse.EventSplitter()
+        self._pending: list[bytes] = []
 
     async def _chunks(self) -> AsyncIterator[bytes]:
         while True:
@@ -48,11 +50,21 @@ class EngineStream:
                 return
             yield chunk
 
+    async def next_events(self) -> list[bytes] | None:
+        """Every event that came with the next read (at least one): relaying them together costs one write
+        to the client, not one per event, and delays none. None at the end of the stream."""
+        if self._pending:
+            events, self._pending = self._pending, []
+            return events
+        async for chunk in self._reads:
+            if events := self._splitter.feed(chunk):
+                return events
+        return None
+
     async def next_event(self) -> bytes | None:
-        try:
-            return await anext(self._events)
-        except StopAsyncIteration:
-            return None
+        if not self._pending:
+            self._pending = await self.next_events() or []
+        return self._pending.pop(0) if self._pending else None
 
     def close(self) -> None:
         self._response.close()

@@ -212,13 +212,20 @@ class TurnRunner:
         capture, began, first, recorded = DecodeCapture(), time.perf_counter(), True, False
         turn.decode.outstanding_requests += 1
         try:
-            while (event := await stream.next_event()) is not None:
+            done = False
+            while not done and (events := await stream.next_events()) is not None:
                 if first:
                     self._observe("decode_ttft", began)
                     first = False
-                if event == sse.DONE:
-                    break
-                yield sse.frame(_encode(capture.take(turn.req.decode_answer(event), turn.req.want_token_ids)))
+                frames = []                  # the events of one read go out in one write
+                for event in events:
+                    if event == sse.DONE:
+                        done = True
+                        break
+                    frames.append(sse.frame(_encode(capture.take(turn.req.decode_answer(event),
+                                                                 turn.req.want_token_ids))))
+                if frames:
+                    yield b"".join(frames)
             if not capture.handle and capture.finished:
                 self.metrics.handles_missing.labels(Reason.HANDLE_NOT_STREAMED.value).inc()
             await self._record(turn, capture)
