@@ -87,7 +87,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             for url in getattr(self, name):
                 _check_url(name, url, ("http", "https"))
         if self.redis_url is not None:
-            _check_url("redis_url", self.redis_url, ("redis", "rediss", "unix"))
+            _check_url("redis_url", self.redis_url, ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster"))
         if self.otlp_endpoint is not None:
             _check_url("otlp_endpoint", self.otlp_endpoint, ("http", "https"))
             if self.tracing == "off":
@@ -112,7 +112,8 @@ URL_FIELDS = ("prefill", "decode", "redis_url", "otlp_endpoint")
 def _check_url(name: str, url: str, schemes: tuple[str, ...]) -> None:
     try:
         parts = urlsplit(url)
-        parts.port  # noqa: B018  (raises ValueError on a malformed port)
+        if "," not in parts.netloc:      # Sentinel URLs list several host:port pairs
+            parts.port  # noqa: B018  (raises ValueError on a malformed port)
     except ValueError:
         raise ValueError(f"{name}: {mask_url(url)!r} is not a valid URL") from None
     if parts.scheme not in schemes or not (parts.hostname or parts.scheme == "unix" and parts.path):

@@ -13,14 +13,11 @@ import hashlib
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
-from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from . import scripts
+from . import scripts, topology
 from .base import (
     DEFAULT_CONVERSATION_TTL_S,
     DEFAULT_INFLIGHT_TIMEOUT_S,
@@ -36,7 +33,7 @@ KEY_LAYOUT = "v1"  # bumped (with a migration) whenever the key or hash layout c
 KEY_PREFIX = f"pdgw:{KEY_LAYOUT}:conv:"
 DEFAULT_CONNECT_TIMEOUT_S = 0.5
 DEFAULT_OP_TIMEOUT_S = 1.0
-SUPPORTED_SCHEMES = ("redis", "rediss", "unix")
+SUPPORTED_SCHEMES = topology.SCHEMES
 
 
 def conversation_key(key: ConversationKey) -> str:
@@ -53,21 +50,8 @@ def client_from_url(
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
     op_timeout_s: float = DEFAULT_OP_TIMEOUT_S,
 ) -> aioredis.Redis:
-    """A redis-py asyncio client (hiredis parser when installed, which redis-py picks by default).
-
-    The seam for Sentinel and Cluster: dispatch on their schemes here and return their clients; the store
-    only needs `register_script`, `hmget`, `ping` and `aclose`, and touches one key per operation.
-    """
-    scheme = urlsplit(url).scheme
-    if scheme not in SUPPORTED_SCHEMES:
-        raise ValueError(f"unsupported store URL scheme {scheme!r}; use one of {SUPPORTED_SCHEMES}")
-    return aioredis.from_url(
-        url,
-        socket_connect_timeout=connect_timeout_s,
-        socket_timeout=op_timeout_s,
-        retry=Retry(NoBackoff(), 0),
-        client_name="pd-gateway",
-    )
+    """A redis-py asyncio client for a server, Sentinel or Cluster URL (see topology.py); hiredis parses."""
+    return topology.client(url, connect_timeout_s=connect_timeout_s, op_timeout_s=op_timeout_s)
 
 
 @contextlib.contextmanager

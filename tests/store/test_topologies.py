@@ -1,0 +1,115 @@
+"""The Redis store behind Sentinel (with a real failover) and behind a Cluster, on real redis-server processes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import pytest
+import redis
+
+from gateway.store import Conversation, ConversationKey, RedisConversationStore, StoreUnavailableError
+from tests.redis_server import redis_server_path
+from tests.servers import free_port
+
+pytestmark = pytest.mark.integration
+HANDLE = {"remote_block_ids": [[1, 2, 3]], "remote_num_tokens": 40}
+
+
+def cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is a valid port too."""
+    while (port := free_port()) > 55000:
+        pass
+    return port
+
+
+@contextmanager
+def redis_process(*args: str, config: str | None = None, port: int | None = None) -> Iterator[int]:
+    """A redis-server (or sentinel, given a config) on a free port; stopped by PID."""
+    port, folder = port or free_port(), Path(tempfile.mkdtemp(prefix="pdgw-topo-"))
+    cmd = [redis_server_path()]
+    if config is not None:
+        (folder / "sentinel.conf").write_text(f"port {port}\nbind 127.0.0.1\n{config}")
+        cmd += [str(folder / "sentinel.conf"), "--sentinel"]
+    else:
+        cmd += ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    proc = subprocess.Popen([*cmd, "--dir", str(folder), *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: _pings(port))
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _pings(port: int) -> bool:
+    try:
+        return redis.Redis(port=port, socket_timeout=0.5).ping()
+    except redis.RedisError:
+        return False
+
+
+def wait_for(condition, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+async def one_turn(store: RedisConversationStore, session: str) -> bool:
+    key = ConversationKey("t", session)
+    start = await store.begin_turn(key, time.time())
+    return await store.finish_turn(key, start.turn, Conversation(model="m"), HANDLE, time.time() + 60, time.time())
+
+
+def test_sentinel_follows_a_failover():
+    with ExitStack() as stack:
+        master = stack.enter_context(redis_process())
+        stack.enter_context(redis_process("--replicaof", "127.0.0.1", str(master)))
+        monitor = (f"sentinel monitor pdgw 127.0.0.1 {master} 1\nsentinel down-after-milliseconds pdgw 500\n"
+                   "sentinel failover-timeout pdgw 2000\n")
+        sentinel = stack.enter_context(redis_process(config=monitor))
+        store = RedisConversationStore.from_url(f"redis+sentinel://127.0.0.1:{sentinel}/pdgw")
+
+        async def scenario() -> None:
+            assert await one_turn(store, "before")
+            with contextlib.suppress(redis.ConnectionError):         # the master dies mid-reply
+                redis.Redis(port=master).shutdown(nosave=True)
+            served = False
+            deadline = time.monotonic() + 20
+            while not served and time.monotonic() < deadline:          # costs reuse, then works again
+                try:
+                    served = await one_turn(store, "after")
+                except StoreUnavailableError:
+                    await asyncio.sleep(0.2)
+            assert served
+            await store.close()
+
+        asyncio.run(scenario())
+
+
+def test_cluster_serves_the_store():
+    with ExitStack() as stack:
+        ports = [stack.enter_context(redis_process("--cluster-enabled", "yes", "--cluster-config-file",
+                                                   f"nodes-{i}.conf", port=cluster_port())) for i in range(3)]
+        subprocess.run([str(Path(redis_server_path()).with_name("redis-cli")), "--cluster", "create",
+                        *[f"127.0.0.1:{p}" for p in ports], "--cluster-replicas", "0", "--cluster-yes"],
+                       check=True, capture_output=True, timeout=30)
+        wait_for(lambda: redis.Redis(port=ports[0]).cluster("info")["cluster_state"] == "ok")
+        store = RedisConversationStore.from_url(f"redis+cluster://127.0.0.1:{ports[0]}")
+
+        async def scenario() -> None:
+            for i in range(12):                                         # keys spread over the three masters
+                assert await one_turn(store, f"s{i}")
+                start = await store.begin_turn(ConversationKey("t", f"s{i}"), time.time())
+                assert start.handle == HANDLE and start.handle_state == "claimed"
+            await store.close()
+
+        asyncio.run(scenario())
