@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+import signal
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import aiohttp
@@ -20,6 +21,7 @@ from gateway.config import Settings
 from gateway.engines.client import EngineClient
 from gateway.engines.health import HealthChecker
 from gateway.engines.pool import EnginePool
+from gateway.engines.registry import EngineRegistry
 from gateway.startup import gather as startup_report
 from gateway.startup import log_report, open_store
 from gateway.store import ConversationStore
@@ -33,8 +35,10 @@ from gateway.turns.turn import TurnRunner
 log = logging.getLogger("gateway")
 
 
-def create_app(settings: Settings, tracing: Tracing | None = None) -> Litestar:
-    """`tracing`: defaults to what the settings ask for; tests pass one with an in-memory exporter."""
+def create_app(settings: Settings, tracing: Tracing | None = None,
+               reload: Callable[[], Settings] | None = None) -> Litestar:
+    """`tracing`: defaults to what the settings ask for; tests pass one with an in-memory exporter.
+    `reload`: re-reads the configuration on SIGHUP (engines are added and removed; nothing else changes)."""
     if not settings.prefill or not settings.decode:
         raise ValueError("at least one --prefill and one --decode engine are needed")
     tracing = tracing or start_tracing(settings.tracing, settings.otlp_endpoint)
@@ -43,7 +47,7 @@ def create_app(settings: Settings, tracing: Tracing | None = None) -> Litestar:
         exception_handlers=HANDLERS,
         state=State({"api_keys": ApiKeys.from_settings(settings)}),
         middleware=tracing.middleware(),
-        lifespan=[lambda app: _lifespan(app, settings, tracing)],
+        lifespan=[lambda app: _lifespan(app, settings, tracing, reload)],
         request_max_body_size=settings.max_body_bytes,
         logging_config=None,         # telemetry.setup_logging owns the root logger (text or JSON)
         openapi_config=None,
@@ -52,7 +56,8 @@ def create_app(settings: Settings, tracing: Tracing | None = None) -> Litestar:
 
 
 @contextlib.asynccontextmanager
-async def _lifespan(app: Litestar, settings: Settings, tracing: Tracing) -> AsyncIterator[None]:
+async def _lifespan(app: Litestar, settings: Settings, tracing: Tracing,
+                    reload: Callable[[], Settings] | None) -> AsyncIterator[None]:
     state = app.state
     state.settings, state.metrics = settings, Metrics()
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
@@ -67,20 +72,48 @@ async def _lifespan(app: Litestar, settings: Settings, tracing: Tracing) -> Asyn
         report = await startup_report(client, prefill, decode, renderer, store, settings)
         log_report(report)
         models, block_size = report.models, report.block_size
-        state.intake = Intake(renderer, models)
+        state.intake = Intake(renderer, models, settings.max_messages)
         state.runner = TurnRunner(client=client, prefill=prefill, decode=decode, store=store,
                                   metrics=state.metrics, settings=settings, block_size=block_size,
                                   served_model=models[0] if models else "", tracing=tracing)
         state.admin = ConversationAdmin(store, state.runner)
         state.readiness = lambda: _readiness(store, prefill, decode)
+        state.registry = EngineRegistry(prefill, decode, health, state.metrics)
         checker = asyncio.create_task(health.run())
+        reloading = _reload_on_sighup(state.registry, reload) if reload else contextlib.nullcontext()
         try:
-            yield
+            with reloading:
+                yield
         finally:
             checker.cancel()
             await state.runner.drain()
             await store.close()
             tracing.shutdown()
+
+
+@contextlib.contextmanager
+def _reload_on_sighup(registry: EngineRegistry, reload: Callable[[], Settings]) -> Iterator[None]:
+    loop = asyncio.get_running_loop()
+    tasks: set[asyncio.Task] = set()
+
+    async def apply() -> None:
+        try:
+            fresh = reload()
+        except (SystemExit, ValueError) as exc:       # a bad file keeps the running configuration
+            log.error("configuration reload refused: %s", exc)
+            return
+        log.warning("configuration reloaded: %s", await registry.sync(fresh.prefill, fresh.decode))
+
+    def on_signal() -> None:
+        task = loop.create_task(apply())
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, on_signal)
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(signal.SIGHUP)
 
 
 async def _readiness(store: ConversationStore, prefill: EnginePool, decode: EnginePool) -> dict[str, Any]:

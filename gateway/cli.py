@@ -110,7 +110,8 @@ def serve(argv: list[str]) -> None:
         return
     setup_logging(settings.log_level, settings.log_format)
     try:
-        app = create_app(settings)
+        # SIGHUP re-reads the same flags, environment and file: engines join and leave without a restart.
+        app = create_app(settings, reload=lambda: parse_settings(argv, "pd-gateway serve", parser)[0])
     except ValueError as exc:
         raise SystemExit(f"pd-gateway serve: {exc}") from None
     run(app, settings.host, settings.port, port_file=args.port_file, log_level=settings.log_level)

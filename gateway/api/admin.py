@@ -4,13 +4,15 @@ constant time."""
 from __future__ import annotations
 
 import hmac
-from typing import Any
+from typing import Any, Literal
+from urllib.parse import urlsplit
 
-from litestar import Request, Response, delete, get
+import msgspec
+from litestar import Request, Response, delete, get, post
 from litestar.datastructures import State
 
 from gateway.config import DEFAULT_TENANT
-from gateway.errors import AuthenticationError, NotFoundError
+from gateway.errors import AuthenticationError, InvalidRequestError, NotFoundError
 from gateway.store import ConversationKey
 
 
@@ -49,4 +51,27 @@ async def engines(request: Request, state: State) -> dict[str, Any]:
         for pool in (state.runner.prefill_pool, state.runner.decode_pool) for e in pool.engines.values()]}
 
 
-ADMIN_ROUTES = [get_conversation, delete_conversation, engines]
+class EngineChange(msgspec.Struct):
+    role: Literal["prefill", "decode"]
+    url: str
+
+
+@post("/admin/engines", status_code=201)
+async def add_engine(data: EngineChange, request: Request, state: State) -> dict[str, Any]:
+    _authorize(request, state)
+    if urlsplit(data.url).scheme not in ("http", "https"):
+        raise InvalidRequestError("url must be an http(s) URL", param="url")
+    engine = await state.registry.add(data.role, data.url)
+    return {"url": engine.url, "role": engine.role, "healthy": engine.healthy}
+
+
+@delete("/admin/engines", status_code=200)
+async def remove_engine(role: Literal["prefill", "decode"], url: str, request: Request,
+                        state: State) -> dict[str, Any]:
+    _authorize(request, state)
+    if not state.registry.remove(role, url):
+        raise NotFoundError("no such engine")
+    return {"removed": url}
+
+
+ADMIN_ROUTES = [get_conversation, delete_conversation, engines, add_engine, remove_engine]
