@@ -1,0 +1,491 @@
+"""The side-by-side benchmark, in one run: floor, pd-gateway, a naive proxy and vllm-router on the same simulated
+engines, then the cost of long histories, reuse under a GPU-like cost model (plain and reasoning), placement.
+
+    python bench/compare.py            # full sizes (a few minutes), writes bench/RESULTS.md
+    python bench/compare.py --quick    # small sizes, under a minute
+    python bench/compare.py --smoke    # tiny sizes, for the test suite; --out - prints the table only
+
+Every figure is measured in this run; the last line is
+    compare: added_p50_ms=X added_p99_ms=Y naive_added_ratio=A naive_throughput_ratio=B cpu_32k_vs_1k=C
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import loadgen  # noqa: E402
+from bench.loadgen import CpuMeter, FloorTarget, OpenAITarget, RunResult, percentile  # noqa: E402
+from bench.servers import Servers, get_json, metrics, post  # noqa: E402
+from bench.workload import Workload  # noqa: E402
+
+BLOCK = 16
+# Zero-timing engines: the engines render the prompt themselves in every set-up (--no-prompt-token-ids),
+# so that the only difference between set-ups is what sits between the client and the engines.
+ZERO_SIM = ["--no-prompt-token-ids", "--stream-kv-params", "--num-blocks", "60000", "--decoder-kv-blocks-ttl", "90",
+            "--max-model-len", "131072", "--output-tokens", "16:48"]
+GATEWAY_TTL = ["--decoder-kv-blocks-ttl-s", "90", "--handle-ttl-margin-s", "10"]
+
+
+@dataclass(frozen=True)
+class Sizes:
+    conversations: int          # zero-timing comparison, at `concurrency` conversations at once
+    concurrency: int
+    turns: int
+    new_tokens: int
+    think_s: float
+    saturation_s: float         # closed loop without think time: turns/s and CPU per turn at saturation
+    history: tuple[int, int]    # CPU per turn: conversations, turns
+    gpu: tuple[int, int]        # GPU-cost scenario: conversations (all at once), turns
+    gpu_sim: tuple[str, ...]
+    placement: bool
+
+
+FULL = Sizes(conversations=256, concurrency=64, turns=4, new_tokens=48, think_s=1.0, saturation_s=8.0,
+             history=(4, 6), gpu=(12, 10), placement=True,
+             gpu_sim=("--prefill-ms-per-token", "0.1", "--decode-ms-per-token", "10", "--transfer-ms-per-block",
+                      "0.05", "--output-tokens", "100:200"))
+QUICK = Sizes(conversations=64, concurrency=64, turns=3, new_tokens=48, think_s=0.5, saturation_s=3.0,
+              history=(2, 4), gpu=(6, 8), placement=False,
+              gpu_sim=("--prefill-ms-per-token", "0.1", "--decode-ms-per-token", "0.5", "--transfer-ms-per-block",
+                       "0.05", "--output-tokens", "100:160"))
+SMOKE = Sizes(conversations=4, concurrency=4, turns=2, new_tokens=16, think_s=0.0, saturation_s=0.5,
+              history=(1, 2), gpu=(2, 3), placement=False,
+              gpu_sim=("--prefill-ms-per-token", "0.1", "--decode-ms-per-token", "0.2", "--transfer-ms-per-block",
+                       "0.05", "--output-tokens", "64:80"))
+
+
+@dataclass
+class Row:
+    setup: str
+    run: RunResult
+    cpu_ms_per_turn: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ttft(self) -> list[float]:
+        return self.run.ttft()
+
+
+def drive(target, w: Workload, *, concurrency: int | None = None, duration_s: float | None = None,
+          pid: int | None = None, on_warm=None) -> tuple[RunResult, float | None]:
+    meter = CpuMeter(pid) if pid else None
+    holder = {}
+
+    def warmed() -> None:
+        if on_warm:
+            on_warm()
+        if pid:
+            holder["meter"] = CpuMeter(pid)
+    result = loadgen.arun(loadgen.run(target, w, concurrency=concurrency, duration_s=duration_s,
+                                      on_warm=warmed if (on_warm or pid) and concurrency is None else None))
+    meter = holder.get("meter", meter)
+    cpu = meter.seconds() * 1e3 / max(1, len(result.ok)) if meter else None
+    return result, cpu
+
+
+def reset(*engines) -> None:
+    for engine in engines:
+        post(engine.url + "/sim/reset")
+
+
+def p_stats(engines) -> dict[str, int]:
+    keys = ("prompt_tokens_computed", "prompt_tokens_loaded", "prompt_tokens_cached", "kv_reads_corrupt",
+            "requests_corrupt", "kv_blocks_read")
+    stats = [get_json(e.url + "/sim/stats") for e in engines]
+    return {k: sum(s[k] for s in stats) for k in keys}
+
+
+@dataclass
+class Env:
+    """Every engine and gateway of the run, started at once (start-up is mostly imports: overlapping saves time)."""
+    zero_p: object
+    zero_d: object
+    zero_gw: object
+    gpu_p: object
+    gpu_d: object
+    gpu_gw: object
+    reason_p: object
+    reason_d: object
+    reason_gw: object
+    place_p: list = field(default_factory=list)
+    place_d: list = field(default_factory=list)
+    place_gws: list = field(default_factory=list)
+
+
+def start_all(s: Servers, sizes: Sizes) -> Env:
+    redis = s.redis()
+    gpu = ["--stream-kv-params", "--num-blocks", "60000", *sizes.gpu_sim]
+    reason = [*gpu, "--tokenizer", "builtin:demo-reasoning", "--reasoning"]
+    specs = [("prefill", "zp0", ZERO_SIM), ("decode", "zd0", ZERO_SIM), ("prefill", "gp0", gpu),
+             ("decode", "gd0", gpu), ("prefill", "rp0", reason), ("decode", "rd0", reason)]
+    if sizes.placement:
+        specs += [("prefill", "pp0", gpu), ("prefill", "pp1", gpu), ("decode", "pd0", gpu), ("decode", "pd1", gpu)]
+    engines = s.sims(specs)
+    zp, zd, gp, gd, rp, rd = engines[:6]
+    store = ["--redis-url", redis.url]
+    gws = [([zp], [zd], [*store, *GATEWAY_TTL]), ([gp], [gd], store),
+           ([rp], [rd], [*store, "--tokenizer", "builtin:demo-reasoning"])]
+    if sizes.placement:
+        ps, ds = engines[6:8], engines[8:10]
+        gws += [(ps, ds, store), (ps, ds, [*store, "--no-prefill-affinity"])]
+    gateways = s.gateways(gws)
+    env = Env(zp, zd, gateways[0], gp, gd, gateways[1], rp, rd, gateways[2])
+    if sizes.placement:
+        env.place_p, env.place_d, env.place_gws = engines[6:8], engines[8:10], gateways[3:5]
+    return env
+
+
+# -- 1. zero timing: floor, pd-gateway, naive proxy, vllm-router --------------------------------------------
+def zero_timing(s: Servers, env: Env, sizes: Sizes, notes: list[str]) -> dict:
+    p, d, gw = env.zero_p, env.zero_d, env.zero_gw
+    setups: dict[str, tuple] = {"floor": (FloorTarget([p.url], [d.url]), None)}
+    setups["pd-gateway"] = (OpenAITarget(gw.url), gw)
+    setups["naive proxy"] = (OpenAITarget((naive := s.naive([p], [d])).url), naive)
+    try:
+        router = s.router([p], [d])
+        setups["vllm-router"] = (OpenAITarget(router.url), router)
+    except Exception as exc:  # not installable or not runnable here: say so and carry on
+        notes.append(f"vllm-router could not be run here: {str(exc).splitlines()[0][:200]}")
+    w = Workload(conversations=sizes.conversations, turns=sizes.turns, new_tokens=sizes.new_tokens,
+                 think_s=sizes.think_s, seed=1)
+    rows, saturation = [], {}
+    before = metrics(gw.url)
+    for name, (target, server) in setups.items():
+        reset(p, d)
+        run, cpu = drive(target, w, concurrency=sizes.concurrency, pid=server.proc.pid if server else None)
+        rows.append(Row(name, run, cpu, {"P": p_stats([p])}))
+    after = metrics(gw.url)
+    for name, (target, server) in setups.items():     # saturation: no think time, fixed duration
+        reset(p, d)
+        sat = replace(w, think_s=0.0, conversations=100_000, turns=sizes.turns, seed=2)
+        run, cpu = drive(target, sat, concurrency=sizes.concurrency, duration_s=sizes.saturation_s,
+                         pid=server.proc.pid if server else None)
+        saturation[name] = {"turns_per_s": run.turns_per_s, "cpu_ms_per_turn": cpu, "errors": run.errors,
+                            "ttft_p50_ms": percentile(run.ttft(), 50) * 1e3}
+    return {"rows": rows, "saturation": saturation, "gateway_metrics": _delta(before, after), "workload": w}
+
+
+def _delta(before: dict, after: dict) -> dict:
+    return {k: after[k] - before.get(k, 0.0) for k in after
+            if k.startswith(("pdgw_turns_total", "pdgw_prompt_tokens_total"))}
+
+
+# -- 2. CPU per turn vs history length ----------------------------------------------------------------------
+def history_cost(env: Env, sizes: Sizes) -> dict:
+    p, d, gw = env.zero_p, env.zero_d, env.zero_gw
+    out = {}
+    for history in (1000, 32000):
+        reset(p, d)
+        conversations, turns = sizes.history
+        w = Workload(conversations=conversations, turns=turns, new_tokens=sizes.new_tokens, history_tokens=history,
+                     seed=history)
+        first = CpuMeter(gw.proc.pid)
+        firsts = {}
+        run, cpu = drive(OpenAITarget(gw.url), w, pid=gw.proc.pid,
+                         on_warm=lambda: firsts.setdefault("cpu", first.seconds()))
+        out[history] = {"cpu_ms_per_turn": cpu, "first_turn_cpu_ms": firsts.get("cpu", 0) * 1e3 / conversations,
+                        "turns": len(run.ok), "errors": run.errors,
+                        "prompt_tokens": statistics.fmean(t.prompt_tokens for t in run.ok) if run.ok else 0}
+    return out
+
+
+# -- 3. GPU-like cost model: reuse vs stateless vs full prefill; reasoning -----------------------------------
+def gpu_scenario(env: Env, sizes: Sizes, *, reasoning: bool) -> dict:
+    p, d, gw = (env.reason_p, env.reason_d, env.reason_gw) if reasoning else (env.gpu_p, env.gpu_d, env.gpu_gw)
+    conversations, turns = sizes.gpu
+    base = Workload(conversations=conversations, turns=turns, new_tokens=100, history_tokens=1000, seed=7,
+                    token_ids=True)
+    arms = {"reuse (sessions)": base,
+            "stateless PD (no session; engines' prefix caches only)": replace(base, sessions=False),
+            "full prefill (no session, no prefix-cache hit)": replace(base, sessions=False, salt_each_turn=True)}
+    if reasoning:
+        arms.pop("stateless PD (no session; engines' prefix caches only)")
+    out = {}
+    for name, w in arms.items():
+        reset(p, d)
+        before = metrics(gw.url)
+        run, _ = drive(OpenAITarget(gw.url), w, concurrency=conversations)
+        out[name] = _reuse_figures(run, p_stats([p]), _delta(before, metrics(gw.url)))
+    return out
+
+
+def _reuse_figures(run: RunResult, stats: dict, gw_metrics: dict) -> dict:
+    """Mean TTFT of turns >= 2, and P's computed prompt tokens against the ideal: each turn computing only
+    what is not a common prefix of its prompt and the previous turn's held tokens S = prompt + output."""
+    by_conv: dict[int, list] = {}
+    for t in sorted(run.ok, key=lambda t: (t.conversation, t.turn)):
+        by_conv.setdefault(t.conversation, []).append(t)
+    ideal_computed = ideal_reused = new_tokens = later_turns = first_prompts = 0
+    for turns in by_conv.values():
+        previous = None
+        for t in turns:
+            prompt = t.prompt_ids or []
+            if previous is None:
+                first_prompts += len(prompt)
+                ideal_computed += len(prompt)
+            else:
+                held = (previous.prompt_ids or []) + previous.output_ids
+                common = _common_prefix(prompt, held[:max(0, len(held) - 1)])
+                common = min(common, len(prompt) - 1)
+                ideal_reused += common
+                ideal_computed += len(prompt) - common
+                new_tokens += len(prompt) - common
+                later_turns += 1
+            previous = t
+    computed_later = stats["prompt_tokens_computed"] - first_prompts
+    reused_by_p = stats["prompt_tokens_loaded"] + stats["prompt_tokens_cached"]
+    return {"ttft_mean_later_ms": statistics.fmean(run.ttft(later_turns=True)) * 1e3 if later_turns else 0.0,
+            "ttft_p50_later_ms": percentile(run.ttft(later_turns=True), 50) * 1e3,
+            "turns": len(run.ok), "errors": run.errors, "later_turns": later_turns,
+            "p_computed": stats["prompt_tokens_computed"], "ideal_computed": ideal_computed,
+            "excess_per_later_turn": (computed_later - new_tokens) / max(1, later_turns),
+            "reuse_of_ideal": reused_by_p / ideal_reused if ideal_reused else 0.0,
+            "corrupt": stats["kv_reads_corrupt"], "plans": _plans(gw_metrics)}
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n                      # binary search on slice equality (C-speed compares)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _plans(gw_metrics: dict) -> str:
+    counts = {k.split("{")[1].rstrip("}"): int(v) for k, v in gw_metrics.items()
+              if k.startswith("pdgw_turns_total{") and v}
+    return ", ".join(f"{k.replace('plan=', '').replace('reason=', '').replace(chr(34), '')}: {v}"
+                     for k, v in sorted(counts.items()))
+
+
+# -- 4. placement: previous-P affinity vs least loaded, 2 P + 2 D, uniform and skewed load -------------------
+def placement(env: Env, sizes: Sizes) -> dict:
+    ps, ds = env.place_p, env.place_d
+    engines = [*ps, *ds]
+    gateways = {"previous-P affinity": env.place_gws[0], "least loaded": env.place_gws[1]}
+    conversations, turns = sizes.gpu
+    uniform = Workload(conversations=conversations * 2, turns=turns, new_tokens=100, history_tokens=1000, seed=11,
+                       token_ids=True)
+    out = {}
+    for load_name, hot in (("uniform", None), ("skewed (one 8k-token conversation per 4, no think time)", 8000)):
+        for name, gw in gateways.items():
+            reset(*engines)
+            if hot is None:
+                run, _ = drive(OpenAITarget(gw.url), uniform, concurrency=uniform.conversations)
+            else:
+                run = _skewed(gw, uniform, hot)
+            figures = _reuse_figures(run, p_stats(ps), {})
+            figures["kv_blocks_read_by_p"] = p_stats(ps)["kv_blocks_read"]
+            out[(load_name, name)] = figures
+    return out
+
+
+def _skewed(gw, w: Workload, hot_history: int) -> RunResult:
+    """A quarter of the conversations carry long histories (hot); all run at once."""
+    hot = replace(w, conversations=max(1, w.conversations // 4), history_tokens=hot_history, seed=w.seed + 1)
+    cold = replace(w, conversations=w.conversations - hot.conversations)
+
+    async def both() -> RunResult:
+        began = time.perf_counter()
+        runs = await asyncio.gather(
+            loadgen.run(OpenAITarget(gw.url), hot, concurrency=hot.conversations, run_id="hot"),
+            loadgen.run(OpenAITarget(gw.url), cold, concurrency=cold.conversations, run_id="cold",
+                        first=hot.conversations))
+        return RunResult([t for r in runs for t in r.turns], time.perf_counter() - began)
+    return loadgen.arun(both())
+
+
+# -- the table -----------------------------------------------------------------------------------------------
+def report(args, sizes: Sizes, zero: dict, history: dict, gpu: dict, reasoning: dict, place: dict | None,
+           notes: list[str], wall_s: float) -> tuple[str, str]:
+    rows: list[Row] = zero["rows"]
+    floor = next(r for r in rows if r.setup == "floor")
+    f50, f99 = percentile(floor.ttft, 50) * 1e3, percentile(floor.ttft, 99) * 1e3
+    w: Workload = zero["workload"]
+    lines = [f"# Benchmark results: `{' '.join(['python', 'bench/compare.py', *args.argv])}`", "",
+             f"- date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}; wall time {wall_s:.0f} s",
+             f"- machine: {platform.machine()}, {os.cpu_count()} CPUs ({_cpu_model()}), Python "
+             f"{platform.python_version()}, {platform.system()} {platform.release()}",
+             f"- load on the machine before the run: {_load()}", ""]
+    lines += ["## 1. Added latency and throughput, zero-timing simulated engines (1 P + 1 D)", "",
+              f"Closed loop: {w.conversations} conversations, {sizes.concurrency} at once, {w.turns} turns each, "
+              f"~{w.new_tokens} new user tokens per turn, answers 16–48 tokens, think time {w.think_s} s (exponential "
+              "mean). TTFT = request sent → first SSE event (floor: from P's leg). Added = the set-up's percentile "
+              "minus the floor's. CPU = the proxy process's user+system CPU per turn. The engines render prompts in "
+              "every set-up (`--no-prompt-token-ids`). Streamed D legs carry their handle (`--stream-kv-params`).",
+              "", "| set-up | turns | errors | TTFT p50 ms | p90 | p99 | added p50 ms | added p99 ms | "
+              "proxy CPU ms/turn | saturated turns/s | CPU ms/turn saturated | proxy capacity turns/CPU-s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        sat = zero["saturation"].get(r.setup, {})
+        t50, t90, t99 = (percentile(r.ttft, q) * 1e3 for q in (50, 90, 99))
+        cap = 1e3 / sat["cpu_ms_per_turn"] if sat.get("cpu_ms_per_turn") else None
+        lines.append(f"| {r.setup} | {len(r.run.ok)} | {r.run.errors + sat.get('errors', 0)} | {t50:.2f} | "
+                     f"{t90:.2f} | {t99:.2f} | "
+                     f"{'—' if r.setup == 'floor' else f'{t50 - f50:+.2f}'} | "
+                     f"{'—' if r.setup == 'floor' else f'{t99 - f99:+.2f}'} | "
+                     f"{_fmt(r.cpu_ms_per_turn)} | {sat.get('turns_per_s', 0):.0f} | {_fmt(sat.get('cpu_ms_per_turn'))} | "
+                     f"{_fmt(cap, 0)} |")
+    gw = next(r for r in rows if r.setup == "pd-gateway")
+    naive = next(r for r in rows if r.setup == "naive proxy")
+    added50 = percentile(gw.ttft, 50) * 1e3 - f50
+    added99 = percentile(gw.ttft, 99) * 1e3 - f99
+    naive_added = percentile(naive.ttft, 50) * 1e3 - f50
+    naive_added_ratio = added50 / naive_added if naive_added > 0 else float("nan")
+    gw_sat, naive_sat = zero["saturation"]["pd-gateway"], zero["saturation"]["naive proxy"]
+    naive_throughput_ratio = naive_sat["cpu_ms_per_turn"] / gw_sat["cpu_ms_per_turn"] \
+        if gw_sat.get("cpu_ms_per_turn") and naive_sat.get("cpu_ms_per_turn") else float("nan")
+    measured_ratio = gw_sat["turns_per_s"] / naive_sat["turns_per_s"] if naive_sat["turns_per_s"] else float("nan")
+    tokens = {src: zero["gateway_metrics"].get(f'pdgw_prompt_tokens_total{{source="{src}"}}', 0.0)
+              for src in ("reused", "computed")}
+    lines += ["", f"pd-gateway reuse in this phase (from its /metrics): {_plans(zero['gateway_metrics'])}; prompt "
+              f"tokens reused {tokens['reused']:.0f}, computed {tokens['computed']:.0f}.", "",
+              "Throughput: on this 2-core machine the engines, Redis and the load generator share the cores with the "
+              "proxy, so saturated turns/s is bounded by the engines for every set-up; the proxy's own capacity is "
+              "turns per CPU-second of the proxy process (1000 / CPU ms per turn at saturation). "
+              f"`naive_throughput_ratio` = that capacity, pd-gateway over naive proxy ({naive_throughput_ratio:.2f}); "
+              f"the measured saturated turns/s ratio is {measured_ratio:.2f}.", ""]
+    h1, h32 = history[1000], history[32000]
+    cpu_ratio = h32["cpu_ms_per_turn"] / h1["cpu_ms_per_turn"] if h1["cpu_ms_per_turn"] else float("nan")
+    lines += ["## 2. Gateway CPU per turn vs history length", "",
+              f"{sizes.history[0]} conversations at once, {sizes.history[1]} turns, a system prompt of 1k or 32k "
+              "tokens; CPU of the gateway process over turns >= 2 (every conversation's first turn is measured "
+              "apart: it has to tokenize the whole history once).", "",
+              "| history | mean prompt tokens | CPU ms/turn (turns >= 2) | CPU ms, first turn |", "|---|---|---|---|",
+              f"| 1k | {h1['prompt_tokens']:.0f} | {h1['cpu_ms_per_turn']:.2f} | {h1['first_turn_cpu_ms']:.2f} |",
+              f"| 32k | {h32['prompt_tokens']:.0f} | {h32['cpu_ms_per_turn']:.2f} | {h32['first_turn_cpu_ms']:.2f} |",
+              "", f"cpu_32k_vs_1k = {cpu_ratio:.2f}", ""]
+    lines += _gpu_table("## 3. GPU-like cost model: reuse vs full prefill", sizes, gpu)
+    lines += _gpu_table("## 4. Reasoning template (`builtin:demo-reasoning`, sims `--reasoning`)", sizes, reasoning)
+    if place:
+        lines += ["## 5. Placement: 2 P + 2 D, GPU-like cost model", "",
+                  "| load | P choice | mean TTFT turns >= 2 ms | p50 ms | P computed | ideal | blocks P read from D | "
+                  "errors |", "|---|---|---|---|---|---|---|---|"]
+        for (load_name, name), f in place.items():
+            lines.append(f"| {load_name} | {name} | {f['ttft_mean_later_ms']:.1f} | {f['ttft_p50_later_ms']:.1f} | "
+                         f"{f['p_computed']} | {f['ideal_computed']} | {f['kv_blocks_read_by_p']} | {f['errors']} |")
+        lines.append("")
+    reuse = gpu["reuse (sessions)"]
+    full = gpu["full prefill (no session, no prefix-cache hit)"]
+    ttft_gain = full["ttft_mean_later_ms"] / reuse["ttft_mean_later_ms"] if reuse["ttft_mean_later_ms"] else 0.0
+    r_reuse = reasoning["reuse (sessions)"]
+    lines += ["## Targets", "", "| target | reached | met |", "|---|---|---|",
+              f"| added p50 <= 1 ms at {sizes.concurrency} concurrent conversations | {added50:+.2f} ms | "
+              f"{_met(added50 <= 1)} |",
+              f"| added p99 <= 5 ms | {added99:+.2f} ms | {_met(added99 <= 5)} |",
+              f"| <= 0.5x the naive proxy's added latency (p50) | {naive_added_ratio:.2f}x | "
+              f"{_met(naive_added_ratio <= 0.5)} |",
+              f"| >= 2x the naive proxy's turns/s (capacity per CPU-second) | {naive_throughput_ratio:.2f}x "
+              f"(measured saturated turns/s: {measured_ratio:.2f}x) | {_met(naive_throughput_ratio >= 2)} |",
+              f"| CPU per turn, 32k vs 1k history <= 1.5x | {cpu_ratio:.2f}x | {_met(cpu_ratio <= 1.5)} |",
+              f"| P computed on continuous turns <= new + one block ({BLOCK}) | {reuse['excess_per_later_turn']:+.1f} "
+              f"tokens per turn over new | {_met(reuse['excess_per_later_turn'] <= BLOCK)} |",
+              f"| reasoning: >= 90% of ideal reuse | {r_reuse['reuse_of_ideal'] * 100:.1f}% | "
+              f"{_met(r_reuse['reuse_of_ideal'] >= 0.9)} |",
+              f"| GPU cost: mean TTFT turns >= 2 at least 3x lower with reuse | {ttft_gain:.1f}x | "
+              f"{_met(ttft_gain >= 3)} |", ""]
+    router = next((r for r in rows if r.setup == "vllm-router"), None)
+    if router:
+        lines += [f"vllm-router (stateless PD, Rust): added p50 {percentile(router.ttft, 50) * 1e3 - f50:+.2f} ms, "
+                  f"p99 {percentile(router.ttft, 99) * 1e3 - f99:+.2f} ms, {_fmt(router.cpu_ms_per_turn)} CPU ms per "
+                  "turn; it keeps no conversation state, so every turn is a full prefill on P (less P's prefix-cache "
+                  "hits).", ""]
+    if notes:
+        lines += ["## Notes", "", *[f"- {n}" for n in notes], ""]
+    final = (f"compare: added_p50_ms={added50:.3f} added_p99_ms={added99:.3f} "
+             f"naive_added_ratio={naive_added_ratio:.3f} naive_throughput_ratio={naive_throughput_ratio:.3f} "
+             f"cpu_32k_vs_1k={cpu_ratio:.3f}")
+    lines += ["```", final, "```", ""]
+    return "\n".join(lines), final
+
+
+def _gpu_table(title: str, sizes: Sizes, arms: dict) -> list[str]:
+    conversations, turns = sizes.gpu
+    lines = [title, "", f"Sims `{' '.join(sizes.gpu_sim)}`; {conversations} conversations at once, {turns} turns, "
+             "a 1k-token system prompt, ~100 new user tokens per turn. Ideal: each turn computes only what is not a "
+             "common prefix of its prompt and the previous turn's held tokens (prompt + answer); P's figures are the "
+             "simulator's oracle (`/sim/stats`).", "",
+             "| arm | mean TTFT turns >= 2 ms | p50 ms | P computed | ideal computed | excess per turn >= 2 | "
+             "P reuse / ideal | corrupt KV | plans |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, f in arms.items():
+        lines.append(f"| {name} | {f['ttft_mean_later_ms']:.1f} | {f['ttft_p50_later_ms']:.1f} | {f['p_computed']} | "
+                     f"{f['ideal_computed']} | {f['excess_per_later_turn']:+.1f} | {f['reuse_of_ideal'] * 100:.1f}% | "
+                     f"{f['corrupt']} | {f['plans'] or '—'} |")
+    return [*lines, ""]
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def _met(ok: bool) -> str:
+    return "yes" if ok else "**no**"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _load() -> str:
+    try:
+        return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> str:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="small sizes: under a minute")
+    size.add_argument("--smoke", action="store_true", help="tiny sizes, for tests")
+    ap.add_argument("--placement", action=argparse.BooleanOptionalAction, default=None,
+                    help="run the placement phase (default: only at full size)")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "RESULTS.md"),
+                    help="where to write the table ('-': nowhere)")
+    args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    sizes = SMOKE if args.smoke else QUICK if args.quick else FULL
+    if args.placement is not None:
+        sizes = replace(sizes, placement=args.placement)
+    began = time.perf_counter()
+    notes: list[str] = []
+    with Servers() as servers:
+        env = start_all(servers, sizes)
+        zero = zero_timing(servers, env, sizes, notes)
+        history = history_cost(env, sizes)
+        gpu = gpu_scenario(env, sizes, reasoning=False)
+        reasoning = gpu_scenario(env, sizes, reasoning=True)
+        place = placement(env, sizes) if sizes.placement else None
+    text, final = report(args, sizes, zero, history, gpu, reasoning, place, notes, time.perf_counter() - began)
+    if args.out != "-":
+        Path(args.out).write_text(text)
+    print(text)
+    print(final)
+    return final
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""The processes a benchmark runs on loopback: simulated engines, pd-gateway, the naive proxy, vllm-router, Redis.
+
+All are started here, waited on (`/health`), and stopped by PID when the `Servers` context closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from gateway.processes import Server, free_port, start  # noqa: E402
+from tests.redis_server import RedisServer  # noqa: E402
+
+START_TIMEOUT_S = 60.0
+
+
+class Servers(contextlib.ExitStack):
+    """Starts processes and stops every one of them, by PID, on exit."""
+
+    def sim(self, role: str, engine_id: str, *flags: str) -> Server:
+        server = start(["sim", "--role", role, "--engine-id", engine_id, *flags])
+        self.callback(server.stop)
+        return server
+
+    def sims(self, specs: list[tuple[str, str, list[str]]]) -> list[Server]:
+        """Start several sims at once (their start-up is mostly imports: overlapping them saves wall time)."""
+        return self._wait([_Pending(["sim", "--role", role, "--engine-id", eid, *flags]) for role, eid, flags in specs])
+
+    def _wait(self, procs: list[_Pending]) -> list[Server]:
+        for proc in procs:            # stopped on exit even if another one fails to start
+            self.callback(_stop_pid, proc.proc)
+        return [p.wait() for p in procs]
+
+    def gateway(self, prefill: list[Server], decode: list[Server], *flags: str) -> Server:
+        return self.gateways([(prefill, decode, list(flags))])[0]
+
+    def gateways(self, specs: list[tuple[list[Server], list[Server], list[str]]]) -> list[Server]:
+        """Start several gateways at once: (prefill engines, decode engines, flags) each."""
+        procs = []
+        for prefill, decode, flags in specs:
+            args = ["serve", "--log-level", "warning", *flags]
+            for p in prefill:
+                args += ["--prefill", p.url]
+            for d in decode:
+                args += ["--decode", d.url]
+            procs.append(_Pending(args))
+        return self._wait(procs)
+
+    def naive(self, prefill: list[Server], decode: list[Server]) -> Server:
+        args = [sys.executable, str(ROOT / "bench" / "naive_proxy.py")]
+        for p in prefill:
+            args += ["--prefill", p.url]
+        for d in decode:
+            args += ["--decode", d.url]
+        server = _spawn(args, port_flag=True)
+        self.callback(server.stop)
+        return server
+
+    def router(self, prefill: list[Server], decode: list[Server]) -> Server:
+        exe = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which("vllm-router")
+        if exe is None:
+            raise RuntimeError("vllm-router is not installed (pip install vllm-router)")
+        port = free_port()
+        args = [exe, "--vllm-pd-disaggregation", "--policy", "round_robin", "--host", "127.0.0.1",
+                "--port", str(port), "--log-level", "warning", "--max-concurrent-requests", "4096",
+                "--disable-retries"]
+        for p in prefill:
+            args += ["--prefill", p.url]
+        for d in decode:
+            args += ["--decode", d.url]
+        server = _spawn(args, port=port)
+        self.callback(server.stop)
+        return server
+
+    def redis(self) -> RedisServer:
+        return self.enter_context(RedisServer())
+
+
+class _Pending:
+    def __init__(self, args: list[str]) -> None:
+        self.args = args
+        self.tmp = Path(tempfile.mkdtemp(prefix="pdgw-bench-"))
+        cmd = [sys.executable, "-m", "gateway", *args, "--host", "127.0.0.1", "--port", "0",
+               "--port-file", str(self.tmp / "port")]
+        self.log = open(self.tmp / "log", "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait(self) -> Server:
+        return _await(self.proc, self.tmp / "port", self.tmp / "log", self.args)
+
+
+def _stop_pid(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def _spawn(args: list[str], *, port_flag: bool = False, port: int | None = None) -> Server:
+    tmp = Path(tempfile.mkdtemp(prefix="pdgw-bench-"))
+    if port_flag:
+        args = [*args, "--port", "0", "--port-file", str(tmp / "port")]
+    else:
+        (tmp / "port").write_text(str(port))
+    log = open(tmp / "log", "wb")
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
+    return _await(proc, tmp / "port", tmp / "log", args)
+
+
+def _await(proc: subprocess.Popen, port_file: Path, log_path: Path, args: list[str]) -> Server:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{args[:2]} exited {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        text = port_file.read_text().strip() if port_file.exists() else ""
+        if text:
+            server = Server(proc, int(text), log_path, args)
+            if _answers(server.url + "/health"):
+                return server
+        time.sleep(0.05)
+    proc.kill()
+    raise TimeoutError(f"{args[:2]} not healthy after {START_TIMEOUT_S}s:\n{log_path.read_text()[-3000:]}")
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def post(url: str) -> None:
+    req = urllib.request.Request(url, data=b"{}", method="POST", headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(req, timeout=10).read()
+
+
+def metrics(url: str) -> dict[str, float]:
+    """A Prometheus text page as {'name{labels}': value} (samples only)."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            with contextlib.suppress(ValueError):
+                out[name] = float(value)
+    return out
+
+
+@contextlib.contextmanager
+def servers() -> Iterator[Servers]:
+    with Servers() as stack:
+        yield stack

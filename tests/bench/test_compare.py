@@ -1,0 +1,65 @@
+"""The benchmark runs (tiny sizes) and its ratios come from what it measured. It checks no timing."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import compare
+from bench.loadgen import RunResult, TurnResult, percentile
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+FINAL = re.compile(r"^compare: added_p50_ms=(\S+) added_p99_ms=(\S+) naive_added_ratio=(\S+) "
+                   r"naive_throughput_ratio=(\S+) cpu_32k_vs_1k=(\S+)$")
+
+
+@pytest.mark.integration
+def test_compare_smoke_runs_every_setup_and_ends_with_the_summary_line(tmp_path):
+    out = tmp_path / "RESULTS.md"
+    proc = subprocess.run([sys.executable, "bench/compare.py", "--smoke", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    match = FINAL.match(last)
+    assert match, last
+    values = [float(v) for v in match.groups()]
+    assert all(math.isfinite(v) for v in values), last
+    table = out.read_text()
+    for setup in ("| floor |", "| pd-gateway |", "| naive proxy |"):
+        assert setup in table
+    assert "vllm-router" in table              # a row, or a note saying why it could not run
+    assert "| reuse (sessions) |" in table and "## Targets" in table
+    assert last in table
+    # The summary line is the table's own figures, not constants.
+    added = re.search(r"\| added p50 <= 1 ms at \d+ concurrent conversations \| ([+-][\d.]+) ms", table)
+    assert added and abs(float(added.group(1)) - values[0]) < 0.01
+    header = next(line for line in table.splitlines() if "| corrupt KV |" in line)
+    column = [c.strip() for c in header.split("|")].index("corrupt KV")
+    arms = [line for line in table.splitlines() if line.startswith(("| reuse", "| full prefill", "| stateless"))]
+    assert arms and all([c.strip() for c in line.split("|")][column] == "0" for line in arms)   # no wrong KV used
+
+
+def test_ratios_come_from_measured_turns():
+    def run(ttfts: list[float]) -> RunResult:
+        return RunResult([TurnResult(0, i, True, ttft_s=t) for i, t in enumerate(ttfts)], wall_s=1.0)
+
+    floor, gateway = run([0.010, 0.011, 0.012]), run([0.0105, 0.0115, 0.0125])
+    assert percentile(gateway.ttft(), 50) - percentile(floor.ttft(), 50) == pytest.approx(0.0005)
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([], 99) == 0.0
+
+
+def test_ideal_reuse_is_the_common_prefix_with_the_previous_held_tokens():
+    first = TurnResult(0, 0, True, ttft_s=0.1, prompt_ids=[1, 2, 3, 4], output_ids=[5, 6, 7])
+    # turn 2 extends prompt + answer (S minus its last token is what D holds) with 2 new tokens
+    second = TurnResult(0, 1, True, ttft_s=0.05, prompt_ids=[1, 2, 3, 4, 5, 6, 7, 8, 9], output_ids=[10])
+    stats = {"prompt_tokens_computed": 4 + 3, "prompt_tokens_loaded": 6, "prompt_tokens_cached": 0,
+             "kv_reads_corrupt": 0}
+    figures = compare._reuse_figures(RunResult([first, second], 1.0), stats, {})
+    assert figures["ideal_computed"] == 4 + 3          # turn 1 all; turn 2: 9 - common prefix 6
+    assert figures["excess_per_later_turn"] == 0 and figures["reuse_of_ideal"] == 1.0
+    assert figures["ttft_mean_later_ms"] == pytest.approx(50.0)
