@@ -42,6 +42,9 @@ ENGINE_ENV = {
 FLAGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "2048",
          "--kv-cache-memory-bytes", str(64 * 1024 * 1024), "--served-model-name", SERVED_MODEL,
          "--disable-uvicorn-access-log"]
+# For investigations: a JSON object of variables laid over ENGINE_ENV in every engine, e.g. to see the stall
+# come back: VLLM_TIER_ENGINE_ENV='{"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}' pytest -m vllm tests/vllm/test_soak.py
+OVERRIDE_ENV = "VLLM_TIER_ENGINE_ENV"
 CPU = {"prefill": "0", "decode": "1", "colocated": "1"}      # VLLM_CPU_OMP_THREADS_BIND
 
 
@@ -140,7 +143,8 @@ def launch(python: str, model: Path, role: Role, engine_id: str, log_dir: Path, 
         config = kv_transfer_config(role, engine_id, policy=policy, bidirectional=bidirectional,
                                     pin_ttl_s=pin_ttl_s)
         cmd += ["--kv-transfer-config", json.dumps(config)]
-    full_env = {**_clean(os.environ), **ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": CPU[role], **(env or {})}
+    full_env = {**_clean(os.environ), **ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": CPU[role],
+                **json.loads(os.environ.get(OVERRIDE_ENV, "{}")), **(env or {})}
     if side_port is not None:
         full_env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_port)
     log_path = log_dir / f"{engine_id}.log"
