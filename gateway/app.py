@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -80,6 +81,7 @@ async def _lifespan(app: Litestar, settings: Settings, tracing: Tracing,
         state.readiness = lambda: _readiness(store, prefill, decode)
         state.registry = EngineRegistry(prefill, decode, health, state.metrics)
         checker = asyncio.create_task(health.run())
+        gc.freeze()      # start-up's objects (transformers, jinja, ...) leave the collector's scans for good
         reloading = _reload_on_sighup(state.registry, reload) if reload else contextlib.nullcontext()
         try:
             with reloading:

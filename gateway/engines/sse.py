@@ -14,13 +14,16 @@ class EventSplitter:
         self._buffer = b""
 
     def feed(self, chunk: bytes) -> list[bytes]:
+        # Search only where a separator can newly be (a big event arriving in many reads is scanned once).
+        start = max(0, len(self._buffer) - 1)
         self._buffer += chunk
         events = []
         while True:
-            end = self._buffer.find(b"\n\n")
+            end = self._buffer.find(b"\n\n", start)
             if end < 0:
                 return events
             raw, self._buffer = self._buffer[:end], self._buffer[end + 2:]
+            start = 0
             data = [line[5:].lstrip(b" ") for line in raw.split(b"\n") if line.startswith(b"data:")]
             if data:
                 events.append(b"\n".join(data))

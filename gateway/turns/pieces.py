@@ -61,7 +61,9 @@ class PieceEncoder:
         alternatives = "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True))
         self._split = re.compile(f"({alternatives})").split
         self._encode_batch = encode_batch
-        self._cache: OrderedDict[str, tuple[list[int], bytes]] = OrderedDict()
+        # Ids as tuples: a tuple of ints drops out of the garbage collector's view, a list would be re-scanned,
+        # millions of elements, on every full collection.
+        self._cache: OrderedDict[str, tuple[tuple[int, ...], bytes]] = OrderedDict()
         self._cached_tokens = 0
         self.max_tokens = max_tokens
         self.hits = self.misses = 0
@@ -91,7 +93,7 @@ class PieceEncoder:
 
     def _add(self, pieces: list[str], encoded: list[list[int]]) -> None:
         for piece, piece_ids in zip(pieces, encoded, strict=True):
-            self._cache[piece] = (list(piece_ids), array("q", piece_ids).tobytes())
+            self._cache[piece] = (tuple(piece_ids), array("q", piece_ids).tobytes())
             self._cached_tokens += len(piece_ids)
 
     def _evict(self, keep: int) -> None:
