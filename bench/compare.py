@@ -19,6 +19,7 @@ import platform
 import statistics
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -35,6 +36,7 @@ BLOCK = 16
 ZERO_SIM = ["--no-prompt-token-ids", "--stream-kv-params", "--num-blocks", "60000", "--decoder-kv-blocks-ttl", "90",
             "--max-model-len", "131072", "--output-tokens", "16:48"]
 GATEWAY_TTL = ["--decoder-kv-blocks-ttl-s", "90", "--handle-ttl-margin-s", "10"]
+PLACE_P, PLACE_D = 4, 2         # placement phase: engines per pool
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ FULL = Sizes(conversations=256, concurrency=64, turns=4, new_tokens=48, think_s=
              history=(4, 6), gpu=(12, 10), placement=True,
              gpu_sim=("--prefill-ms-per-token", "0.1", "--decode-ms-per-token", "10", "--transfer-ms-per-block",
                       "0.05", "--output-tokens", "100:200"))
-QUICK = Sizes(conversations=64, concurrency=64, turns=3, new_tokens=48, think_s=0.5, saturation_s=3.0,
+QUICK = Sizes(conversations=64, concurrency=64, turns=3, new_tokens=48, think_s=0.5, saturation_s=2.0,
               history=(2, 4), gpu=(6, 8), placement=False,
               gpu_sim=("--prefill-ms-per-token", "0.1", "--decode-ms-per-token", "0.5", "--transfer-ms-per-block",
                        "0.05", "--output-tokens", "100:160"))
@@ -130,19 +132,19 @@ def start_all(s: Servers, sizes: Sizes) -> Env:
     specs = [("prefill", "zp0", ZERO_SIM), ("decode", "zd0", ZERO_SIM), ("prefill", "gp0", gpu),
              ("decode", "gd0", gpu), ("prefill", "rp0", reason), ("decode", "rd0", reason)]
     if sizes.placement:
-        specs += [("prefill", "pp0", gpu), ("prefill", "pp1", gpu), ("decode", "pd0", gpu), ("decode", "pd1", gpu)]
+        specs += [*[("prefill", f"pp{i}", gpu) for i in range(PLACE_P)], *[("decode", f"pd{i}", gpu) for i in range(PLACE_D)]]
     engines = s.sims(specs)
     zp, zd, gp, gd, rp, rd = engines[:6]
     store = ["--redis-url", redis.url]
     gws = [([zp], [zd], [*store, *GATEWAY_TTL]), ([gp], [gd], store),
            ([rp], [rd], [*store, "--tokenizer", "builtin:demo-reasoning"])]
     if sizes.placement:
-        ps, ds = engines[6:8], engines[8:10]
+        ps, ds = engines[6:6 + PLACE_P], engines[6 + PLACE_P:]
         gws += [(ps, ds, store), (ps, ds, [*store, "--no-prefill-affinity"])]
     gateways = s.gateways(gws)
     env = Env(zp, zd, gateways[0], gp, gd, gateways[1], rp, rd, gateways[2])
     if sizes.placement:
-        env.place_p, env.place_d, env.place_gws = engines[6:8], engines[8:10], gateways[3:5]
+        env.place_p, env.place_d, env.place_gws = engines[6:6 + PLACE_P], engines[6 + PLACE_P:], gateways[3:5]
     return env
 
 
@@ -293,6 +295,8 @@ def placement(env: Env, sizes: Sizes) -> dict:
                 run = _skewed(gw, uniform, hot)
             figures = _reuse_figures(run, p_stats(ps), {})
             figures["kv_blocks_read_by_p"] = p_stats(ps)["kv_blocks_read"]
+            per_p = [p_stats([p])["prompt_tokens_computed"] for p in ps]
+            figures["p_spread"] = max(per_p) / statistics.fmean(per_p) if any(per_p) else 0.0
             out[(load_name, name)] = figures
     return out
 
@@ -304,9 +308,10 @@ def _skewed(gw, w: Workload, hot_history: int) -> RunResult:
 
     async def both() -> RunResult:
         began = time.perf_counter()
+        run_id = uuid.uuid4().hex[:8]          # fresh sessions: the gateways share one Redis
         runs = await asyncio.gather(
-            loadgen.run(OpenAITarget(gw.url), hot, concurrency=hot.conversations, run_id="hot"),
-            loadgen.run(OpenAITarget(gw.url), cold, concurrency=cold.conversations, run_id="cold",
+            loadgen.run(OpenAITarget(gw.url), hot, concurrency=hot.conversations, run_id=f"{run_id}-hot"),
+            loadgen.run(OpenAITarget(gw.url), cold, concurrency=cold.conversations, run_id=f"{run_id}-cold",
                         first=hot.conversations))
         return RunResult([t for r in runs for t in r.turns], time.perf_counter() - began)
     return loadgen.arun(both())
@@ -375,12 +380,16 @@ def report(args, sizes: Sizes, zero: dict, history: dict, gpu: dict, reasoning: 
     lines += _gpu_table("## 3. GPU-like cost model: reuse vs full prefill", sizes, gpu)
     lines += _gpu_table("## 4. Reasoning template (`builtin:demo-reasoning`, sims `--reasoning`)", sizes, reasoning)
     if place:
-        lines += ["## 5. Placement: 2 P + 2 D, GPU-like cost model", "",
+        lines += [f"## 5. Placement: {PLACE_P} P + {PLACE_D} D, GPU-like cost model", "",
+                  "Previous-P affinity (default; kept while within `--prefill-affinity-slack-tokens` 2048 of the "
+                  "least loaded P) vs `--no-prefill-affinity` (least outstanding prompt tokens). Same workload as "
+                  "section 3 with twice the conversations; skewed: a quarter of them carry an 8k-token history.", "",
                   "| load | P choice | mean TTFT turns >= 2 ms | p50 ms | P computed | ideal | blocks P read from D | "
-                  "errors |", "|---|---|---|---|---|---|---|---|"]
+                  "busiest P / mean (computed tokens) | errors |", "|---|---|---|---|---|---|---|---|---|"]
         for (load_name, name), f in place.items():
             lines.append(f"| {load_name} | {name} | {f['ttft_mean_later_ms']:.1f} | {f['ttft_p50_later_ms']:.1f} | "
-                         f"{f['p_computed']} | {f['ideal_computed']} | {f['kv_blocks_read_by_p']} | {f['errors']} |")
+                         f"{f['p_computed']} | {f['ideal_computed']} | {f['kv_blocks_read_by_p']} | "
+                         f"{f['p_spread']:.2f} | {f['errors']} |")
         lines.append("")
     reuse = gpu["reuse (sessions)"]
     full = gpu["full prefill (no session, no prefix-cache hit)"]
@@ -472,13 +481,23 @@ def main(argv: list[str] | None = None) -> str:
         sizes = replace(sizes, placement=args.placement)
     began = time.perf_counter()
     notes: list[str] = []
+    phases: dict[str, float] = {}
+
+    def timed(name: str, fn, *a, **kw):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            phases[name] = time.perf_counter() - t
+
     with Servers() as servers:
-        env = start_all(servers, sizes)
-        zero = zero_timing(servers, env, sizes, notes)
-        history = history_cost(env, sizes)
-        gpu = gpu_scenario(env, sizes, reasoning=False)
-        reasoning = gpu_scenario(env, sizes, reasoning=True)
-        place = placement(env, sizes) if sizes.placement else None
+        env = timed("start-up", start_all, servers, sizes)
+        zero = timed("zero timing", zero_timing, servers, env, sizes, notes)
+        history = timed("history", history_cost, env, sizes)
+        gpu = timed("GPU cost", gpu_scenario, env, sizes, reasoning=False)
+        reasoning = timed("reasoning", gpu_scenario, env, sizes, reasoning=True)
+        place = timed("placement", placement, env, sizes) if sizes.placement else None
+    notes.append("phase wall times: " + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items()))
     text, final = report(args, sizes, zero, history, gpu, reasoning, place, notes, time.perf_counter() - began)
     if args.out != "-":
         Path(args.out).write_text(text)
