@@ -15,7 +15,7 @@ from litestar import Litestar, MediaType, Request, Response, get, post
 from litestar.response import Stream
 
 from gateway.sim import wire
-from gateway.sim.engine import Engine
+from gateway.sim.engine import Engine, KVLoadParked
 from gateway.sim.metrics import render_metrics
 from gateway.sim.render import Renderer
 from gateway.sim.serving import Serving, SimRequestError
@@ -64,15 +64,21 @@ def create_sim_app(settings: SimSettings) -> Litestar:
     async def _run(call_of: Any, request: Request) -> Response | Stream:
         call = call_of(await request.body(), request.headers.get("x-request-id"))
         if engine.parks(call.engine_req.kv_params):
-            engine.waiting += 1  # parked for a transfer that is never scheduled
-            try:
-                await _until_disconnect(request)
-            finally:
-                engine.waiting -= 1
-            return Response(content=b"", status_code=499)
+            return await _park(request)    # waits for a transfer that is never scheduled
         if call.body.stream:
             return Stream(serving.stream(call), media_type="text/event-stream", status_code=200)
-        return _json(await serving.respond(call))
+        try:
+            return _json(await serving.respond(call))
+        except KVLoadParked:
+            return await _park(request)    # a declined read under `recompute` is never rescheduled
+
+    async def _park(request: Request) -> Response:
+        engine.waiting += 1
+        try:
+            await _until_disconnect(request)
+        finally:
+            engine.waiting -= 1
+        return Response(content=b"", status_code=499)
 
     @post("/v1/chat/completions", status_code=200)
     async def chat(request: Request) -> Response | Stream:

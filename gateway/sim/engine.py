@@ -30,6 +30,11 @@ class KVLoadError(Exception):
     """A KV load failed (or was declined) under `kv_load_failure_policy: fail`."""
 
 
+class KVLoadParked(Exception):
+    """A P's read of D's blocks was declined (expiry margin) under `recompute`: real vLLM 0.32 never schedules
+    the request again; it waits until the client goes away (docs/vllm-findings.md)."""
+
+
 @dataclass
 class EngineRequest:
     request_id: str  # internal id: what handles carry
@@ -200,6 +205,9 @@ class Engine:
         plan = load_plan(source, len(req.prompt), cached, self.bs, self.settings.recompute_threshold)
         if plan.declined:
             self.stats.kv_reads_declined += 1
+            if self.settings.kv_load_failure_policy == "recompute":
+                self.stats.requests_parked += 1
+                raise KVLoadParked(source.holder.request_id)
             return self._load_failed(f"handle {source.holder.request_id} expires within the margin")
         if not plan.block_ids:
             self.stats.kv_reads_skipped += 1

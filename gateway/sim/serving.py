@@ -6,6 +6,7 @@ validate lengths, run the engine request, detokenize, split reasoning, and frame
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ import msgspec
 
 from gateway.sim import wire
 from gateway.sim.blocks import PoolExhaustedError
-from gateway.sim.engine import Engine, EngineRequest, KVLoadError, Running
+from gateway.sim.engine import Engine, EngineRequest, KVLoadError, KVLoadParked, Running
 from gateway.sim.generate import THINK_CLOSE, THINK_OPEN
 from gateway.sim.render import Renderer
 from gateway.sim.settings import SimSettings
@@ -174,6 +175,12 @@ class Serving:
                 yield wire.sse(wire.error_body("Internal server error", 500))
                 yield wire.sse("[DONE]")
                 return
+            except KVLoadParked:
+                self.engine.waiting += 1          # never answered; the stream ends when the client leaves
+                try:
+                    await asyncio.Event().wait()
+                finally:
+                    self.engine.waiting -= 1
             if call.kind == "chat":
                 yield frame.role_chunk()
             out: list[int] = []

@@ -19,6 +19,7 @@ class SimStats(msgspec.Struct, kw_only=True):
     requests_corrupt: int = 0  # requests that used at least one such block
     kv_reads_skipped: int = 0  # below kv_recompute_threshold (or zero tokens): holder only notified
     kv_reads_declined: int = 0  # handle within the expiry margin
+    requests_parked: int = 0  # declined under `recompute`: never answered (vLLM 0.32), until the client leaves
     kv_load_failures: int = 0  # holder unreachable or handshake refused
     notifications_sent: int = 0
     heartbeats_sent: int = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.servers import Server
@@ -62,18 +63,20 @@ def test_handle_within_expiry_margin_is_declined(sims: Sims, fleet: Fleet, polic
     sims.reset(p)
     body = {"messages": m2, "max_tokens": 1,
             "kv_transfer_params": dict(r1["kv_transfer_params"], do_remote_decode=True)}
-    resp = sims.raw_chat(p, body)
-    assert sims.stats(p)["kv_reads_declined"] == 1 and sims.stats(p)["kv_reads_total"] == 0
     if policy == "fail":
+        resp = sims.raw_chat(p, body)
+        assert sims.stats(p)["kv_reads_declined"] == 1 and sims.stats(p)["kv_reads_total"] == 0
         assert resp.status_code == 500
         assert resp.json() == {"error": {"message": "Internal server error", "type": "InternalServerError",
                                          "param": None, "code": 500}}
         return
-    assert resp.status_code == 200
-    ps = sims.stats(p)
-    assert ps["prompt_tokens_loaded"] == 0 and ps["prompt_tokens_computed"] == resp.json()["usage"]["prompt_tokens"]
-    r2 = sims.decode(d, m2, resp.json()["kv_transfer_params"])
-    assert r2["choices"][0]["message"]["content"] == sims.chat(c, m2)["choices"][0]["message"]["content"]
+    # Real vLLM 0.32 never answers it (tests/vllm/test_findings.py): parked until the client goes away.
+    with pytest.raises(httpx.ReadTimeout):
+        sims.raw_chat(p, body, timeout=1.0)
+    ps = _wait_for(sims, p, "waiting", 0)
+    assert ps["kv_reads_declined"] == 1 and ps["kv_reads_total"] == 0 and ps["requests_parked"] == 1
+    assert ps["waiting"] == 0 and ps["running"] == 0
+    assert sims.chat(c, m2)["choices"]                           # the engine still serves
 
 
 def test_unreachable_holder_fails_d_under_fail_policy(sims: Sims, fleet: Fleet) -> None:
