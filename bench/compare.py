@@ -47,21 +47,22 @@ class Sizes:
     new_tokens: int
     think_s: float
     saturation_s: float         # closed loop without think time: turns/s and CPU per turn at saturation
+    rounds: int                 # the set-ups take turns this many times (load drift hits all alike)
     history: tuple[int, int]    # CPU per turn: conversations, turns
     gpu: tuple[int, int]        # GPU-cost scenario: conversations (all at once), turns
     gpu_sim: tuple[str, ...]
     placement: bool
 
 
-FULL = Sizes(conversations=256, concurrency=64, turns=4, new_tokens=48, think_s=1.0, saturation_s=8.0,
+FULL = Sizes(conversations=384, concurrency=64, turns=4, new_tokens=48, think_s=1.0, saturation_s=6.0, rounds=3,
              history=(4, 6), gpu=(12, 10), placement=True,
              gpu_sim=("--prefill-ms-per-token", "0.1", "--decode-ms-per-token", "10", "--transfer-ms-per-block",
                       "0.05", "--output-tokens", "100:200"))
-QUICK = Sizes(conversations=64, concurrency=64, turns=3, new_tokens=48, think_s=0.5, saturation_s=2.0,
+QUICK = Sizes(conversations=64, concurrency=64, turns=3, new_tokens=48, think_s=0.5, saturation_s=2.0, rounds=1,
               history=(2, 4), gpu=(6, 8), placement=False,
               gpu_sim=("--prefill-ms-per-token", "0.1", "--decode-ms-per-token", "0.5", "--transfer-ms-per-block",
                        "0.05", "--output-tokens", "100:160"))
-SMOKE = Sizes(conversations=4, concurrency=4, turns=2, new_tokens=16, think_s=0.0, saturation_s=0.5,
+SMOKE = Sizes(conversations=4, concurrency=4, turns=2, new_tokens=16, think_s=0.0, saturation_s=0.5, rounds=1,
               history=(1, 2), gpu=(2, 3), placement=False,
               gpu_sim=("--prefill-ms-per-token", "0.1", "--decode-ms-per-token", "0.2", "--transfer-ms-per-block",
                        "0.05", "--output-tokens", "64:80"))
@@ -161,12 +162,19 @@ def zero_timing(s: Servers, env: Env, sizes: Sizes, notes: list[str]) -> dict:
         notes.append(f"vllm-router could not be run here: {str(exc).splitlines()[0][:200]}")
     w = Workload(conversations=sizes.conversations, turns=sizes.turns, new_tokens=sizes.new_tokens,
                  think_s=sizes.think_s, seed=1)
-    rows, saturation = [], {}
+    rows, saturation = {name: Row(name, RunResult([], 0.0), 0.0) for name in setups}, {}
     before = metrics(gw.url)
-    for name, (target, server) in setups.items():
-        reset(p, d)
-        run, cpu = drive(target, w, concurrency=sizes.concurrency, pid=server.proc.pid if server else None)
-        rows.append(Row(name, run, cpu, {"P": p_stats([p])}))
+    # Set-ups take turns, round after round, so that a change in the machine's load hits them alike.
+    per_round = replace(w, conversations=max(sizes.concurrency, w.conversations // sizes.rounds))
+    for round_ in range(sizes.rounds):
+        for name, (target, server) in setups.items():
+            reset(p, d)
+            run, cpu = drive(target, replace(per_round, seed=round_), concurrency=sizes.concurrency,
+                             pid=server.proc.pid if server else None)
+            row = rows[name]
+            row.run = RunResult(row.run.turns + run.turns, row.run.wall_s + run.wall_s)
+            row.cpu_ms_per_turn = None if cpu is None else (row.cpu_ms_per_turn or 0.0) + cpu / sizes.rounds
+    rows = list(rows.values())
     after = metrics(gw.url)
     for name, (target, server) in setups.items():     # saturation: no think time, fixed duration
         reset(p, d)
@@ -330,7 +338,8 @@ def report(args, sizes: Sizes, zero: dict, history: dict, gpu: dict, reasoning: 
              f"{platform.python_version()}, {platform.system()} {platform.release()}",
              f"- load on the machine before the run: {_load()}", ""]
     lines += ["## 1. Added latency and throughput, zero-timing simulated engines (1 P + 1 D)", "",
-              f"Closed loop: {w.conversations} conversations, {sizes.concurrency} at once, {w.turns} turns each, "
+              f"Closed loop: {w.conversations} conversations, {sizes.concurrency} at once, {w.turns} turns each "
+              f"(in {sizes.rounds} interleaved round(s) per set-up), "
               f"~{w.new_tokens} new user tokens per turn, answers 16–48 tokens, think time {w.think_s} s (exponential "
               "mean). TTFT = request sent → first SSE event (floor: from P's leg). Added = the set-up's percentile "
               "minus the floor's. CPU = the proxy process's user+system CPU per turn. The engines render prompts in "
