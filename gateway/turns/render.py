@@ -46,6 +46,7 @@ class Renderer:
         if not self.tokenizer.chat_template:
             raise ValueError(f"tokenizer {tokenizer!r} has no chat template: pass --chat-template FILE")
         self.pieces = self._piece_encoder(cache_tokens) if incremental else None
+        self.vocab_size = len(self.tokenizer)
 
     def _piece_encoder(self, cache_tokens: int) -> PieceEncoder | None:
         specials = exact_specials(dict(getattr(self.tokenizer, "added_tokens_decoder", {}) or {}))
@@ -94,6 +95,8 @@ class Renderer:
 
     def render_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
+            if not all(0 <= token < self.vocab_size for token in prompt):
+                raise InvalidRequestError(f"prompt token ids must lie in [0, {self.vocab_size})", param="prompt")
             return TokenIds(prompt)
         return TokenIds(self.tokenizer.encode(prompt))
 

@@ -77,7 +77,8 @@ def test_concurrent_turns_of_one_session_never_both_reuse(pd):
         turns = list(pool.map(lambda _: chat.ask(), range(4)))
     assert sum(t.plan == "reuse" for t in turns) <= 1
     assert all(t.text == t.expected for t in turns)
-    assert {t.reason for t in turns if t.plan != "reuse"} <= {"concurrent_turn", "no_handle"}
+    # A request that starts after another one finished sees that one's answer as held: a regenerate.
+    assert {t.reason for t in turns if t.plan != "reuse"} <= {"concurrent_turn", "no_handle", "prompt_shorter"}
     assert pd.total("kv_reads_corrupt") == 0
 
 

@@ -52,8 +52,11 @@ def test_url_schemes() -> None:
     assert client_from_url("rediss://127.0.0.1:1/0").connection_pool.connection_class.__name__ == "SSLConnection"
     unix = client_from_url("unix:///tmp/x.sock").connection_pool.connection_class.__name__
     assert unix == "UnixDomainSocketConnection"
+    sentinel = client_from_url("redis+sentinel://127.0.0.1:26379,127.0.0.1:26380/mymaster/2")
+    assert sentinel.connection_pool.service_name == "mymaster"
+    assert type(client_from_url("redis+cluster://127.0.0.1:7000")).__name__ == "RedisCluster"
     with pytest.raises(ValueError, match="scheme"):
-        client_from_url("redis+sentinel://127.0.0.1:26379/mymaster")
+        client_from_url("memcached://127.0.0.1:11211")
 
 
 async def test_closed_port_is_unavailable() -> None:

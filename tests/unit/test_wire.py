@@ -81,3 +81,14 @@ def test_capture_strips_engine_internals_unless_asked():
     assert "kv_transfer_params" not in view and "prompt_token_ids" not in view
     assert "token_ids" not in view["choices"][0]
     assert capture.handle == {"remote_host": "10.0.0.1"} and capture.output_ids == [7] and capture.finished
+
+
+def test_token_id_prompts_outside_the_vocabulary_are_400():
+    from gateway.turns.render import Renderer
+
+    renderer = Renderer("builtin:demo")
+    assert renderer.render_prompt([1, 2, 3]) == [1, 2, 3]
+    for bad in ([-1], [renderer.vocab_size], [2**70]):
+        with pytest.raises(InvalidRequestError) as err:
+            renderer.render_prompt(bad)
+        assert err.value.param == "prompt"
