@@ -76,7 +76,7 @@ class Servers(contextlib.ExitStack):
         port = free_port()
         args = [exe, "--vllm-pd-disaggregation", "--policy", "round_robin", "--host", "127.0.0.1",
                 "--port", str(port), "--log-level", "warning", "--max-concurrent-requests", "4096",
-                "--disable-retries"]
+                "--disable-retries", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         for p in prefill:
             args += ["--prefill", p.url]
         for d in decode:

@@ -11,10 +11,10 @@ class EventSplitter:
     """Cuts a byte stream into SSE event payloads (the `data:` lines of each event, joined)."""
 
     def __init__(self) -> None:
-        self._buffer = b""
+        self._buffer = bytearray()
 
     def feed(self, chunk: bytes) -> list[bytes]:
-        # Search only where a separator can newly be (a big event arriving in many reads is scanned once).
+        # A big event arriving in many reads is appended and scanned once, not re-copied and re-scanned per read.
         start = max(0, len(self._buffer) - 1)
         self._buffer += chunk
         events = []
@@ -22,7 +22,8 @@ class EventSplitter:
             end = self._buffer.find(b"\n\n", start)
             if end < 0:
                 return events
-            raw, self._buffer = self._buffer[:end], self._buffer[end + 2:]
+            raw = bytes(self._buffer[:end])
+            del self._buffer[:end + 2]
             start = 0
             data = [line[5:].lstrip(b" ") for line in raw.split(b"\n") if line.startswith(b"data:")]
             if data:

@@ -47,12 +47,13 @@ class TurnRequest:
         this request's own encoding becomes `self.prompt_ids` itself: an echo of a 32k-token prompt then costs
         a memory compare, not decoding and comparing 32k ints."""
         at = raw.find(_PROMPT_IDS_KEY) if self.endpoint == "/v1/chat/completions" else -1
-        if at < 0 or raw.count(_PROMPT_IDS_KEY) != 1:
+        if at < 0:
             return _decode(raw)
         start = at + len(_PROMPT_IDS_KEY)
         end = start + len(self.prompt_json)
-        if raw[start:end] != self.prompt_json or raw[end:end + 1] not in (b",", b"}"):
-            return _decode(raw)
+        if (raw[start:end] != self.prompt_json or raw[end:end + 1] not in (b",", b"}")
+                or raw.find(_PROMPT_IDS_KEY, end) >= 0 or raw.rfind(_PROMPT_IDS_KEY, 0, at) >= 0):
+            return _decode(raw)                   # another key of that name: nothing clever
         answer = _decode(raw[:at] + b'"prompt_token_ids":null' + raw[end:])
         if answer.get("prompt_token_ids", 0) is not None:     # the key sat in a nested object: decode plainly
             return _decode(raw)

@@ -74,7 +74,7 @@ class PieceEncoder:
         missing = [p for p in dict.fromkeys(parts[0::2]) if p and p not in cache]
         if missing:
             self._add(missing, self._encode_batch(missing))
-        ids: list[int] = []
+        ids = TokenIds.__new__(TokenIds)          # filled in place: no second copy of a long prompt
         chunks: list[bytes] = []
         specials, special_bytes = self._specials, self._special_bytes
         for i, part in enumerate(parts):
@@ -89,7 +89,8 @@ class PieceEncoder:
         self.misses += len(missing)
         self.hits += sum(1 for p in parts[0::2] if p) - len(missing)
         self._evict(keep=len(parts) // 2 + 1)
-        return TokenIds(ids, b"".join(chunks))
+        ids.as_bytes = b"".join(chunks)
+        return ids
 
     def _add(self, pieces: list[str], encoded: list[list[int]]) -> None:
         for piece, piece_ids in zip(pieces, encoded, strict=True):
