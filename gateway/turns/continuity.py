@@ -3,14 +3,19 @@
 D's held sequence S (prompt + output ids) is kept as a fingerprint: a 128-bit chained hash per full block
 (to find the longest common prefix at block granularity) and a 128-bit hash of exactly S[:R], where
 R = the handle's `remote_num_tokens`. vLLM never checks tokens, only counts, so this is the only guard.
+
+No I/O; one process-local memo (`HeldPrefixes`): the bytes of S[:R] and the hash state after them, for the
+sequences this process fingerprinted. A continuous turn then compares bytes instead of hashing its history,
+and extends the hash instead of recomputing it. A miss (another replica, a restart) only means hashing.
 """
 
 from __future__ import annotations
 
 from array import array
+from collections import OrderedDict
 from dataclasses import dataclass
 from hashlib import blake2b
-from typing import Literal
+from typing import Any, Literal
 
 from gateway.turns.pieces import TokenIds
 
@@ -29,6 +34,66 @@ def _tokens_bytes(ids: list[int], n: int | None = None) -> bytes:
 
 def prefix_hash(ids: list[int], n: int) -> bytes:
     return blake2b(_tokens_bytes(ids, n), digest_size=HASH_BYTES).digest()
+
+
+DEFAULT_MEMO_BYTES = 128 * 1024 * 1024
+
+
+class HeldPrefixes:
+    """prefix_hash(S, R) → (the bytes of S[:R], the blake2b state after them), least recently used out first."""
+
+    def __init__(self, max_bytes: int = DEFAULT_MEMO_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[bytes, tuple[bytes, Any]] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, digest: bytes) -> tuple[bytes, Any] | None:
+        entry = self._entries.get(digest)
+        if entry is not None:
+            self._entries.move_to_end(digest)
+        return entry
+
+    def put(self, digest: bytes, data: bytes, state: Any) -> None:
+        if digest in self._entries or len(data) > self.max_bytes:
+            return
+        self._entries[digest] = (data, state)
+        self._bytes += len(data)
+        while self._bytes > self.max_bytes:
+            _, (old, _) = self._entries.popitem(last=False)
+            self._bytes -= len(old)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._bytes = 0
+
+
+HELD = HeldPrefixes()
+
+
+def _extends(prompt: list[int], r: int, digest: bytes) -> bool:
+    """prompt[:r] == S[:r] for the S whose prefix hash is `digest`: a byte compare when this process holds S's
+    bytes (equal bytes under that digest: the hash check's own assumption), else the hash."""
+    data = _tokens_bytes(prompt, r)
+    entry = HELD.get(digest)
+    if entry is not None and len(entry[0]) == len(data):
+        return data == entry[0]
+    return blake2b(data, digest_size=HASH_BYTES).digest() == digest
+
+
+def _held_hash(tokens: list[int], held: int, previous: Fingerprint | None, verified_tokens: int) -> bytes:
+    """prefix_hash(tokens, held), extending `previous`'s hash state when its S[:R] is verified equal to ours."""
+    data = _tokens_bytes(tokens, held)
+    state = None
+    if previous is not None and 0 < previous.held_tokens <= min(verified_tokens, held):
+        entry = HELD.get(previous.prefix_hash)
+        if entry is not None and len(entry[0]) == previous.held_tokens * TOKEN_BYTES:
+            state = entry[1].copy()
+            state.update(data[len(entry[0]):])
+    if state is None:
+        state = blake2b(data, digest_size=HASH_BYTES)
+    digest = state.digest()
+    HELD.put(digest, data, state)
+    return digest
 
 
 def block_hashes(ids: list[int], block_size: int, limit: int | None = None) -> list[bytes]:
@@ -63,12 +128,23 @@ def held_fingerprint(rendered: list[int], engine_prompt: list[int] | None, outpu
     if engine_prompt is None:
         tokens: list[int] = list(output)
     elif isinstance(rendered, TokenIds) and (engine_prompt is rendered or engine_prompt == rendered):
-        tokens = rendered.plus(output)
-        return len(tokens), Fingerprint.of(tokens, held_tokens, block_size, previous=previous,
-                                           verified_tokens=verified_tokens)
+        held = _Bytes(rendered.as_bytes + array("q", output).tobytes())     # S as bytes only: no list copy
+        return len(held), Fingerprint.of(held, held_tokens, block_size, previous=previous,  # type: ignore[arg-type]
+                                         verified_tokens=verified_tokens)
     else:
         tokens = engine_prompt + output
     return len(tokens), Fingerprint.of(tokens, held_tokens, block_size)
+
+
+class _Bytes:
+    """A token sequence known only as its int64 bytes: what hashing needs, without a list of ints."""
+    __slots__ = ("as_bytes",)
+
+    def __init__(self, as_bytes: bytes) -> None:
+        self.as_bytes = as_bytes
+
+    def __len__(self) -> int:
+        return len(self.as_bytes) // TOKEN_BYTES
 
 
 @dataclass(frozen=True)
@@ -87,7 +163,8 @@ class Fingerprint:
         known = b""
         if previous is not None and previous.block_size == block_size:
             known = previous.block_hashes[:(verified_tokens // block_size) * HASH_BYTES]
-        return cls(block_size, held, _chain(tokens, block_size, known=known), prefix_hash(tokens, held))
+        return cls(block_size, held, _chain(tokens, block_size, known=known),
+                   _held_hash(tokens, held, previous, verified_tokens))
 
     def common_blocks(self, ids: list[int], limit: int) -> int:
         """How many leading full blocks of `ids` equal those of S (at most `limit`)."""
@@ -108,7 +185,7 @@ class Verdict:
 def check(prompt: list[int], held: Fingerprint, *, partial_allowed: bool) -> Verdict:
     """reuse when prompt[:R] == S[:R]; else partial on the longest common whole-block prefix; else full."""
     r = held.held_tokens
-    if r > 0 and len(prompt) >= r and prefix_hash(prompt, r) == held.prefix_hash:
+    if r > 0 and len(prompt) >= r and _extends(prompt, r, held.prefix_hash):
         return Verdict("reuse", "continuous", r)
     reason = "prompt_shorter" if len(prompt) < r else "prefix_diverged"
     # The cut handle must lie inside D's KV (<= R) and leave P at least one prompt token to compute.

@@ -40,14 +40,6 @@ class TokenIds(list):
         super().__init__(ids)
         self.as_bytes = as_bytes if as_bytes is not None else array("q", ids).tobytes()
 
-    def plus(self, more: Sequence[int]) -> TokenIds:
-        """self + more, carrying bytes (one copy of the ids, not two)."""
-        out = TokenIds.__new__(TokenIds)
-        out.extend(self)
-        out.extend(more)
-        out.as_bytes = self.as_bytes + array("q", more).tobytes()
-        return out
-
 
 class PieceEncoder:
     """text → token ids via a bounded LRU cache of the pieces between special tokens."""

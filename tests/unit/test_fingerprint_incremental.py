@@ -38,3 +38,25 @@ def test_engine_prompt_differing_from_the_rendered_one_is_hashed_as_the_engine_s
 def test_no_engine_prompt_means_only_the_output_is_known():
     n, got = held_fingerprint(TokenIds([1, 2]), None, [3, 4], 0, 2)
     assert n == 2 and got == Fingerprint.of([3, 4], 0, 2)
+
+
+def test_memo_compare_rejects_a_diverged_prompt_and_hash_fallback_agrees():
+    from gateway.turns import continuity
+
+    held_seq = list(range(100, 164))
+    fp = Fingerprint.of(held_seq, 63, 16)                  # memoized: this process fingerprinted it
+    same, other = TokenIds(held_seq[:63] + [1, 2]), TokenIds(held_seq[:62] + [7, 1, 2])
+    assert check(same, fp, partial_allowed=True).kind == "reuse"
+    assert check(other, fp, partial_allowed=True).kind != "reuse"
+    continuity.HELD.clear()                                  # another replica: no memo, same verdicts by hash
+    assert check(same, fp, partial_allowed=True).kind == "reuse"
+    assert check(other, fp, partial_allowed=True).kind != "reuse"
+
+
+def test_memo_is_bounded():
+    from gateway.turns.continuity import HeldPrefixes
+
+    memo = HeldPrefixes(max_bytes=1000)
+    for i in range(50):
+        memo.put(bytes([i]) * 16, b"x" * 100, None)
+    assert memo._bytes <= 1000 and memo.get(bytes([49]) * 16) is not None and memo.get(bytes([0]) * 16) is None
