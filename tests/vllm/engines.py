@@ -26,6 +26,7 @@ START_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 20.0
 SERVED_MODEL = "tiny"
 BLOCK_SIZE = 128                 # the CPU backend's KV block size
+KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 4    # layers x (K, V) x KV heads x head_dim x float32
 PIN_TTL_S = 20                   # decoder_kv_blocks_ttl on D: short, D's engine loop is busy while it pins
 
 # Every engine's environment: the pinned configuration of docs/vllm-cpu.md.
@@ -104,6 +105,10 @@ class Engine:
     def loaded_tokens(self) -> float:
         """Prompt tokens this engine took from the other engine's KV (vLLM's own count)."""
         return self.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+
+    def nixl_bytes(self) -> float:
+        """Bytes this engine's NIXL reads moved (whole blocks)."""
+        return self.metric("vllm:nixl_bytes_transferred_sum")
 
     def kv_usage(self) -> float:
         return self.metric("vllm:kv_cache_usage_perc")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.vllm.chat import Chat, gateway_metric
-from tests.vllm.engines import BLOCK_SIZE
+from tests.vllm.engines import BLOCK_SIZE, KV_BYTES_PER_TOKEN
 
 pytestmark = pytest.mark.vllm
 
@@ -40,6 +40,7 @@ def test_conversation_reuses_d_kv_on_every_turn(engines, gateway, stream):
     """Six turns; from turn 2 on P reads D's KV of the whole previous exchange and computes only the rest.
     Streamed turns hand D's handle back through the plugin (plugins/vllm-pdgw-stream)."""
     before = gateway_metric(gateway, "pdgw_turns_total", plan="reuse", reason="continuous")
+    bytes_before = engines.prefill.nixl_bytes()
     c = chat(engines, gateway)
     for i, question in enumerate(QUESTIONS):
         turn = c.say(question, stream=stream)
@@ -53,6 +54,8 @@ def test_conversation_reuses_d_kv_on_every_turn(engines, gateway, stream):
         cached_on_p = len(previous.prompt_ids) // BLOCK_SIZE * BLOCK_SIZE    # P's own prefix cache
         assert turn.prefill_loaded == held - cached_on_p, f"turn {i + 1}: P did not read D's KV"
     assert gateway_metric(gateway, "pdgw_turns_total", plan="reuse", reason="continuous") == before + 5
+    read = sum(turn.prefill_loaded for turn in c.turns)
+    assert engines.prefill.nixl_bytes() - bytes_before >= read * KV_BYTES_PER_TOKEN     # NIXL moved them
 
 
 def test_edited_history_falls_back_and_stays_exact(engines, gateway):
