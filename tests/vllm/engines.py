@@ -36,7 +36,7 @@ ENGINE_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
     "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",   # engine core and worker in the API server's process: no shm queue
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",   # keeps the uni executor: the worker runs in the engine core's process
     "OMP_WAIT_POLICY": "PASSIVE",            # idle OpenMP threads sleep instead of spinning a shared core
     "NIXL_PTHR_DELAY_US": "100",             # NIXL's progress thread polls every 100 µs (tests/vllm/site/)
 }
