@@ -73,10 +73,10 @@ async def _lifespan(app: Litestar, settings: Settings, tracing: Tracing,
         report = await startup_report(client, prefill, decode, renderer, store, settings)
         log_report(report)
         models, block_size = report.models, report.block_size
-        state.intake = Intake(renderer, models, settings.max_messages)
+        state.intake = Intake(renderer, models, settings.max_messages, settings.history_tokens)
         state.runner = TurnRunner(client=client, prefill=prefill, decode=decode, store=store,
                                   metrics=state.metrics, settings=settings, block_size=block_size,
-                                  served_model=models[0] if models else "", tracing=tracing)
+                                  served_model=models[0] if models else "", tracing=tracing, renderer=renderer)
         state.admin = ConversationAdmin(store, state.runner)
         state.readiness = lambda: _readiness(store, prefill, decode)
         state.registry = EngineRegistry(prefill, decode, health, state.metrics)

@@ -1,6 +1,7 @@
 """Conversation store: the contract (`base`), an embedded store and a Redis store, and migrations."""
 
 from .base import (
+    Answer,
     DEFAULT_CONVERSATION_TTL_S,
     DEFAULT_INFLIGHT_TIMEOUT_S,
     Conversation,
@@ -14,6 +15,7 @@ from .memory_store import MemoryConversationStore
 from .redis_store import RedisConversationStore
 
 __all__ = [
+    "Answer",
     "DEFAULT_CONVERSATION_TTL_S",
     "DEFAULT_INFLIGHT_TIMEOUT_S",
     "Conversation",

@@ -40,6 +40,14 @@ def check_key(key: ConversationKey) -> None:
         raise ValueError(f"session must be a str of at most {MAX_SESSION_CHARS} chars")
 
 
+class Answer(msgspec.Struct, array_like=True):
+    """One past answer as D generated it (for `history_tokens: generated`); opaque to the store."""
+
+    chars: int  # length of the answer's text
+    text_hash: bytes
+    ids: list[int]
+
+
 class Conversation(msgspec.Struct, kw_only=True):
     """Everything the store keeps about a conversation except the handle; opaque to the store."""
 
@@ -54,6 +62,7 @@ class Conversation(msgspec.Struct, kw_only=True):
     output_ids: list[int] = []  # bounded by the caller
     output_text_hash: bytes = b""
     handle_note: str = ""  # why the last turn stored no handle (a reason code), if it had none
+    answers: list[Answer] = []  # bounded by the caller; empty unless history_tokens is "generated"
     created_at: float = 0.0
     updated_at: float = 0.0
 

@@ -13,10 +13,12 @@ _STRIPPED = ("kv_transfer_params", "conversation_id", "session_id", "request_id"
 
 
 class Intake:
-    def __init__(self, renderer: Renderer, served_models: list[str], max_messages: int = 4096) -> None:
+    def __init__(self, renderer: Renderer, served_models: list[str], max_messages: int = 4096,
+                 history_tokens: str = "rendered") -> None:
         self.renderer = renderer
         self.served_models = served_models
         self.max_messages = max_messages
+        self.generated_history = history_tokens == "generated"
 
     def model_for(self, requested: str | None) -> str:
         if not self.served_models:
@@ -31,10 +33,14 @@ class Intake:
         if len(req.messages) > self.max_messages:
             raise InvalidRequestError(f"at most {self.max_messages} messages are accepted", param="messages")
         model = self.model_for(req.model)
-        ids = self.renderer.render_chat(
-            body["messages"], tools=body.get("tools"), add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message, chat_template_kwargs=req.chat_template_kwargs)
-        return self._turn("/v1/chat/completions", body, req, model, ids, request_id)
+        template = dict(tools=body.get("tools"), add_generation_prompt=req.add_generation_prompt,
+                        continue_final_message=req.continue_final_message,
+                        chat_template_kwargs=req.chat_template_kwargs)
+        ids = self.renderer.render_chat(body["messages"], **template)
+        turn = self._turn("/v1/chat/completions", body, req, model, ids, request_id)
+        if self.generated_history:
+            turn.rerender = lambda answers: self.renderer.render_chat(body["messages"], answers=answers, **template)
+        return turn
 
     def completion(self, body: dict[str, Any], req: Any, request_id: str) -> TurnRequest:
         model = self.model_for(req.model)

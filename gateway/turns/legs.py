@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal
 
 import msgspec
+
+from gateway.store import Answer
 
 Endpoint = Literal["/v1/chat/completions", "/v1/completions"]
 
@@ -28,6 +31,8 @@ class TurnRequest:
     want_token_ids: bool              # the client itself asked for return_token_ids
     include_usage: bool
     request_id: str
+    # history_tokens "generated": renders again with past answers as D generated them (see generated.py)
+    rerender: Callable[[list[Answer]], list[int]] | None = None
 
     @cached_property
     def prompt_json(self) -> bytes:
@@ -104,6 +109,7 @@ class DecodeCapture:
     finish_reason: str | None = None
     error: bool = False
     output_ids_seen: bool = False
+    text: list[str] = field(default_factory=list)      # the answer's text as the client got it
 
     def take(self, payload: dict[str, Any], want_token_ids: bool) -> dict[str, Any]:
         """Record one response or chunk, and return the client's view of it (engine internals removed)."""
@@ -119,6 +125,10 @@ class DecodeCapture:
                 self.output_ids_seen = True
                 self.output_ids.extend(ids)
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
+            message = choice.get("message") or choice.get("delta") or {}
+            piece = message.get("content") if message else choice.get("text")
+            if piece:
+                self.text.append(piece)
             if not want_token_ids:
                 for key in _TOKEN_FIELDS:
                     choice.pop(key, None)

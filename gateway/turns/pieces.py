@@ -60,6 +60,13 @@ class PieceEncoder:
         self.max_tokens = max_tokens
         self.hits = self.misses = 0
 
+    def split(self, text: str) -> list[str]:
+        """piece, special, piece, special, ..., piece."""
+        return self._split(text)
+
+    def special_id(self, special: str) -> int:
+        return self._specials[special]
+
     def encode(self, text: str) -> TokenIds:
         parts = self._split(text)               # piece, special, piece, special, ..., piece
         cache = self._cache

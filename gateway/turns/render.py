@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from gateway.errors import InvalidRequestError
+from gateway.store import Answer
+from gateway.turns.generated import answer, splice
 from gateway.turns.pieces import DEFAULT_CACHE_TOKENS, PieceEncoder, TokenIds, exact_specials
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -50,6 +52,7 @@ class Renderer:
             raise ValueError(f"tokenizer {tokenizer!r} has no chat template: pass --chat-template FILE")
         self.pieces = self._piece_encoder(cache_tokens) if incremental else None
         self.vocab_size = len(self.tokenizer)
+        self.special_ids = set(self.tokenizer.all_special_ids)
 
     def _piece_encoder(self, cache_tokens: int) -> PieceEncoder | None:
         specials = exact_specials(dict(getattr(self.tokenizer, "added_tokens_decoder", {}) or {}))
@@ -84,18 +87,34 @@ class Renderer:
         """A rendered chat prompt → ids (a `TokenIds` when encoded incrementally)."""
         return self.pieces.encode(text) if self.pieces is not None else TokenIds(self._encode_whole(text))
 
-    def render_chat(self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None,
-                    add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    def render_chat(self, messages: list[dict[str, Any]], *, answers: list[Answer] | None = None,
+                    **template: Any) -> list[int]:
+        """`answers`: past answers to send as the ids D generated (history_tokens "generated"); needs the
+        incremental encoder's cut at special tokens, else the text is encoded as usual."""
+        text = self.template(messages, **template)
+        if answers and self.pieces is not None:
+            return splice(self.pieces, text, answers)
+        return self.encode(text)
+
+    def template(self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None,
+                 add_generation_prompt: bool = True, continue_final_message: bool = False,
+                 chat_template_kwargs: dict[str, Any] | None = None) -> str:
         try:
-            text = self.tokenizer.apply_chat_template(
+            return self.tokenizer.apply_chat_template(
                 [normalize_message(m) for m in messages], tools=tools, tokenize=False,
                 add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                 **(chat_template_kwargs or {}))
         except Exception as exc:  # jinja raises many kinds; all mean this request cannot be rendered
             raise InvalidRequestError(f"the chat template could not render these messages: {exc}",
                                       param="messages") from None
-        return self.encode(text)
+
+    def answer(self, output_ids: list[int], text: str) -> Answer | None:
+        """D's output as a reusable answer: only if its ids (without the end-of-turn token) decode to exactly
+        the text the client got (not so with reasoning split out of the content, for one)."""
+        ids = list(output_ids)
+        while ids and ids[-1] in self.special_ids:
+            ids.pop()
+        return answer(text, ids) if ids and text and self.decode(ids) == text else None
 
     def render_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):

@@ -21,15 +21,17 @@ from gateway.engines import sse
 from gateway.engines.client import EngineClient, EngineStream
 from gateway.engines.pool import Engine, EnginePool
 from gateway.errors import EngineConnectError, EngineUnavailableError, GatewayError, UpstreamError
-from gateway.store import Conversation, ConversationKey, ConversationStore, StoreUnavailableError, TurnStart
+from gateway.store import Answer, Conversation, ConversationKey, ConversationStore, StoreUnavailableError, TurnStart
 from gateway.telemetry import Metrics, log_turn
 from gateway.tracing import NO_TRACING, NO_TURN, Tracing, TurnTrace
 from gateway.turns import plan as plans
 from gateway.turns.admission import Admission, Ticket
 from gateway.turns.continuity import Fingerprint, held_fingerprint
+from gateway.turns.generated import remember
 from gateway.turns.legs import DecodeCapture, TurnRequest, decode_body, prefill_body, prompt_ids_of
 from gateway.turns.plan import Plan, Reason
 from gateway.turns.release import HandleReleaser
+from gateway.turns.render import Renderer
 from gateway.turns.restream import restream
 
 log = logging.getLogger("gateway.turn")
@@ -84,12 +86,13 @@ class _Turn:
 class TurnRunner:
     def __init__(self, *, client: EngineClient, prefill: EnginePool, decode: EnginePool,
                  store: ConversationStore, metrics: Metrics, settings: Settings, block_size: int,
-                 served_model: str, tracing: Tracing = NO_TRACING) -> None:
+                 served_model: str, tracing: Tracing = NO_TRACING, renderer: Renderer | None = None) -> None:
         self.client, self.prefill_pool, self.decode_pool = client, prefill, decode
         self.store, self.metrics, self.settings, self.block_size = store, metrics, settings, block_size
         self.admission = Admission(settings.max_concurrent_turns, settings.max_queued_prompt_tokens)
         self.releaser = HandleReleaser(client, prefill, metrics, served_model)
         self.tracing = tracing
+        self.renderer = renderer            # history_tokens "generated": to keep D's answers as it made them
 
     async def run(self, req: TurnRequest, session: ConversationKey | None) -> TurnReply:
         turn = _Turn(req, session, self.admission.admit(len(req.prompt_ids)), time.perf_counter(),
@@ -115,6 +118,8 @@ class TurnRunner:
             start = await self._timed_store("begin_turn", self.store.begin_turn(session, time.time()))
         except StoreUnavailableError:
             return None, plans.full(Reason.STORE_UNAVAILABLE)
+        if req.rerender is not None and start.record is not None and start.record.answers:
+            req.prompt_ids = req.rerender(start.record.answers)      # past answers as D generated them
         return start, self._plan_from(req, start)
 
     def _plan_from(self, req: TurnRequest, start: TurnStart) -> Plan:
@@ -262,7 +267,7 @@ class TurnRunner:
             block_size=self.block_size, num_tokens=num_tokens, held_tokens=fingerprint.held_tokens,
             block_hashes=fingerprint.block_hashes, prefix_hash=fingerprint.prefix_hash,
             handle_note="" if handle else _missing_note(turn.req, capture),
-            created_at=previous.created_at if previous else now, updated_at=now)
+            answers=self._answers(turn, capture), created_at=previous.created_at if previous else now, updated_at=now)
         try:
             stored = await self._timed_store("finish_turn", self.store.finish_turn(
                 turn.session, turn.start.turn, record, handle, now + self.settings.handle_ttl_s, now))
@@ -270,6 +275,13 @@ class TurnRunner:
             stored = False
         if handle and not stored:
             self.releaser.release(handle, "superseded")
+
+    def _answers(self, turn: _Turn, capture: DecodeCapture) -> list[Answer]:
+        previous = turn.start.record.answers if turn.start and turn.start.record else []
+        if turn.req.rerender is None or self.renderer is None:
+            return []
+        new = self.renderer.answer(capture.output_ids, "".join(capture.text))
+        return remember(previous, new) if new else previous
 
     def _count(self, turn: _Turn) -> None:
         plan, prompt = turn.plan, len(turn.req.prompt_ids)

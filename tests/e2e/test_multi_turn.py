@@ -121,3 +121,30 @@ def test_unreachable_store_serves_stateless():
         assert (turn.plan, turn.reason) == ("full", "store_unavailable") and turn.text == turn.expected
         ready = httpx.get(s.gateway.url + "/ready").json()
         assert ready["store_ok"] is False and ready["degraded"]
+
+
+@pytest.mark.parametrize("history", ["rendered", "generated"])
+def test_non_canonical_answers_keep_reuse_only_with_generated_history(history):
+    """The engine emits words as token splits that re-encode differently. Rendered history diverges inside
+    every previous answer; `--history-tokens generated` sends D's own ids for them and keeps full reuse."""
+    engines = ["--non-canonical", *LONG_ANSWERS]
+    with stack(sim=engines, gateway=["--history-tokens", history]) as s:
+        session, messages = uuid.uuid4().hex, []
+        for i in range(4):
+            messages.append({"role": "user", "content": topic(i)})
+            raw = s.client().chat.completions.with_raw_response.create(
+                model="demo", messages=messages, max_tokens=200, extra_headers={"X-Session-Id": session},
+                extra_body={"return_token_ids": True})
+            out = raw.parse().model_dump()
+            text = out["choices"][0]["message"]["content"]
+            # The baseline engine is given exactly the ids the gateway sent: same tokens, same answer.
+            expected = s.baseline_client().completions.create(model="demo", prompt=out["prompt_token_ids"],
+                                                              max_tokens=200).choices[0].text
+            assert text == expected
+            if i and history == "generated":
+                assert (raw.headers["x-pd-plan"], raw.headers["x-pd-reason"]) == ("reuse", "continuous")
+            elif i:     # the re-encoded answer differs from D's ids (often it is shorter, too)
+                assert raw.headers["x-pd-plan"] == "partial"
+                assert raw.headers["x-pd-reason"] in ("prefix_diverged", "prompt_shorter")
+            messages.append({"role": "assistant", "content": text})
+        assert s.total("kv_reads_corrupt") == 0
