@@ -153,6 +153,8 @@ async def conversation(http: aiohttp.ClientSession, target: Target, w: Workload,
                        out: list[TurnResult], deadline: float, warm: WarmGate | None = None) -> None:
     script = Script(w, index, run)
     messages = script.opening()
+    if warm is None and (pause := script.think()):
+        await asyncio.sleep(pause)          # arrivals spread over one think time, not one burst at t=0
     for turn in range(w.turns):
         if turn == 1 and warm is not None:
             await warm.wait()
