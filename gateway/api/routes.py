@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 import uuid
 from typing import Any
 
@@ -14,6 +15,7 @@ from gateway.api.openapi import openapi_json
 from gateway.api.schemas import ChatRequest, CompletionRequest, parse
 from gateway.errors import InvalidRequestError
 from gateway.store import ConversationKey
+from gateway.turns.legs import TurnRequest
 from gateway.turns.turn import TurnReply
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_.:-]{1,96}")
@@ -22,18 +24,12 @@ MAX_SESSION_CHARS = 256
 
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request, state: State) -> Response:
-    tenant = state.api_keys.tenant_for(request.headers.get("authorization"))
-    body, parsed = parse(await request.body(), ChatRequest)
-    turn = state.intake.chat(body, parsed, _request_id(request))
-    return _respond(await state.runner.run(turn, _session(request, body, state, tenant)))
+    return await _turn(request, state, ChatRequest, state.intake.chat)
 
 
 @post("/v1/completions", status_code=200)
 async def completions(request: Request, state: State) -> Response:
-    tenant = state.api_keys.tenant_for(request.headers.get("authorization"))
-    body, parsed = parse(await request.body(), CompletionRequest)
-    turn = state.intake.completion(body, parsed, _request_id(request))
-    return _respond(await state.runner.run(turn, _session(request, body, state, tenant)))
+    return await _turn(request, state, CompletionRequest, state.intake.completion)
 
 
 @get("/v1/models")
@@ -60,6 +56,14 @@ async def metrics(state: State) -> bytes:
 
 
 ROUTES = [chat_completions, completions, models, health, ready, metrics, openapi_json]
+
+
+async def _turn(request: Request, state: State, schema: type, intake: Callable[..., TurnRequest]) -> Response:
+    """Authenticate, validate, render, run: the same for chat and completions."""
+    tenant = state.api_keys.tenant_for(request.headers.get("authorization"))
+    body, parsed = parse(await request.body(), schema)
+    turn = intake(body, parsed, _request_id(request))
+    return _respond(await state.runner.run(turn, _session(request, body, state, tenant)))
 
 
 def _respond(reply: TurnReply) -> Response:
