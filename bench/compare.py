@@ -54,7 +54,7 @@ class Sizes:
     placement: bool
 
 
-FULL = Sizes(conversations=192, concurrency=64, turns=4, new_tokens=48, think_s=4.0, saturation_s=6.0, rounds=3,
+FULL = Sizes(conversations=128, concurrency=64, turns=4, new_tokens=48, think_s=4.0, saturation_s=6.0, rounds=2,
              history=(4, 6), gpu=(12, 10), placement=True,
              gpu_sim=("--prefill-ms-per-token", "0.1", "--decode-ms-per-token", "10", "--transfer-ms-per-block",
                       "0.05", "--output-tokens", "100:200"))
