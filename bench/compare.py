@@ -261,6 +261,7 @@ def _reuse_figures(run: RunResult, stats: dict, gw_metrics: dict) -> dict:
     return {"ttft_mean_later_ms": statistics.fmean(run.ttft(later_turns=True)) * 1e3 if later_turns else 0.0,
             "ttft_p50_later_ms": percentile(run.ttft(later_turns=True), 50) * 1e3,
             "turns": len(run.ok), "errors": run.errors, "later_turns": later_turns,
+            "error_sample": next((t.error for t in run.turns if not t.ok), ""),
             "p_computed": stats["prompt_tokens_computed"], "ideal_computed": ideal_computed,
             "excess_per_later_turn": (computed_later - new_tokens) / max(1, later_turns),
             "reuse_of_ideal": reused_by_p / ideal_reused if ideal_reused else 0.0,
@@ -446,12 +447,16 @@ def _gpu_table(title: str, sizes: Sizes, arms: dict) -> list[str]:
              "a 1k-token system prompt, ~100 new user tokens per turn. Ideal: each turn computes only what is not a "
              "common prefix of its prompt and the previous turn's held tokens (prompt + answer); P's figures are the "
              "simulator's oracle (`/sim/stats`).", "",
-             "| arm | mean TTFT turns >= 2 ms | p50 ms | P computed | ideal computed | excess per turn >= 2 | "
-             "P reuse / ideal | corrupt KV | plans |", "|---|---|---|---|---|---|---|---|---|"]
+             "| arm | turns (errors) | mean TTFT turns >= 2 ms | p50 ms | P computed | ideal computed | "
+             "excess per turn >= 2 | P reuse / ideal | corrupt KV | plans |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, f in arms.items():
-        lines.append(f"| {name} | {f['ttft_mean_later_ms']:.1f} | {f['ttft_p50_later_ms']:.1f} | {f['p_computed']} | "
+        lines.append(f"| {name} | {f['turns']} ({f['errors']}) | {f['ttft_mean_later_ms']:.1f} | "
+                     f"{f['ttft_p50_later_ms']:.1f} | {f['p_computed']} | "
                      f"{f['ideal_computed']} | {f['excess_per_later_turn']:+.1f} | {f['reuse_of_ideal'] * 100:.1f}% | "
                      f"{f['corrupt']} | {f['plans'] or '—'} |")
+    errors = [f"{name}: {f['error_sample']}" for name, f in arms.items() if f["error_sample"]]
+    if errors:
+        lines += ["", "First error of each arm that had some: " + "; ".join(errors)]
     return [*lines, ""]
 
 
@@ -475,9 +480,24 @@ def _cpu_model() -> str:
 
 def _load() -> str:
     try:
-        return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+        text = "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
     except OSError:
-        return "unknown"
+        text = "unknown"
+    others = _other_engines()
+    return text + (f"; {others} other vLLM processes were running on the machine" if others else "")
+
+
+def _other_engines() -> int:
+    """vLLM processes not started by this run (another session's real engines share the cores)."""
+    count = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")) if Path("/proc").is_dir() else ():
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if (b"vllm.entrypoints" in cmd or b"VLLM::" in cmd or b".venv-vllm" in cmd) and b"vllm-router" not in cmd:
+            count += 1
+    return count
 
 
 def main(argv: list[str] | None = None) -> str:
