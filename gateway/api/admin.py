@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 import msgspec
 from litestar import Request, Response, delete, get, post
 from litestar.datastructures import State
+from litestar.params import FromQuery, JSONBody
 
 from gateway.config import DEFAULT_TENANT
 from gateway.errors import AuthenticationError, InvalidRequestError, NotFoundError
@@ -25,7 +26,7 @@ def _authorize(request: Request, state: State) -> None:
 
 @get("/admin/conversations/{session_id:str}")
 async def get_conversation(session_id: str, request: Request, state: State,
-                           tenant: str = DEFAULT_TENANT) -> dict[str, Any]:
+                           tenant: FromQuery[str] = DEFAULT_TENANT) -> dict[str, Any]:
     _authorize(request, state)
     found = await state.admin.describe(ConversationKey(tenant, session_id))
     if found is None:
@@ -35,7 +36,7 @@ async def get_conversation(session_id: str, request: Request, state: State,
 
 @delete("/admin/conversations/{session_id:str}", status_code=200)
 async def delete_conversation(session_id: str, request: Request, state: State,
-                              tenant: str = DEFAULT_TENANT) -> Response:
+                              tenant: FromQuery[str] = DEFAULT_TENANT) -> Response:
     _authorize(request, state)
     if not await state.admin.delete(ConversationKey(tenant, session_id)):
         raise NotFoundError("no such conversation")
@@ -57,7 +58,7 @@ class EngineChange(msgspec.Struct):
 
 
 @post("/admin/engines", status_code=201)
-async def add_engine(data: EngineChange, request: Request, state: State) -> dict[str, Any]:
+async def add_engine(data: JSONBody[EngineChange], request: Request, state: State) -> dict[str, Any]:
     _authorize(request, state)
     if urlsplit(data.url).scheme not in ("http", "https"):
         raise InvalidRequestError("url must be an http(s) URL", param="url")
@@ -66,7 +67,7 @@ async def add_engine(data: EngineChange, request: Request, state: State) -> dict
 
 
 @delete("/admin/engines", status_code=200)
-async def remove_engine(role: Literal["prefill", "decode"], url: str, request: Request,
+async def remove_engine(role: FromQuery[Literal["prefill", "decode"]], url: FromQuery[str], request: Request,
                         state: State) -> dict[str, Any]:
     _authorize(request, state)
     if not state.registry.remove(role, url):
