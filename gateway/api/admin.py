@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 import msgspec
 from litestar import Request, Response, delete, get, post
 from litestar.datastructures import State
-from litestar.params import FromQuery, JSONBody
+from litestar.params import FromPath, FromQuery, JSONBody
 
 from gateway.config import DEFAULT_TENANT
 from gateway.errors import AuthenticationError, InvalidRequestError, NotFoundError
@@ -25,7 +25,7 @@ def _authorize(request: Request, state: State) -> None:
 
 
 @get("/admin/conversations/{session_id:str}")
-async def get_conversation(session_id: str, request: Request, state: State,
+async def get_conversation(session_id: FromPath[str], request: Request, state: State,
                            tenant: FromQuery[str] = DEFAULT_TENANT) -> dict[str, Any]:
     _authorize(request, state)
     found = await state.admin.describe(ConversationKey(tenant, session_id))
@@ -35,7 +35,7 @@ async def get_conversation(session_id: str, request: Request, state: State,
 
 
 @delete("/admin/conversations/{session_id:str}", status_code=200)
-async def delete_conversation(session_id: str, request: Request, state: State,
+async def delete_conversation(session_id: FromPath[str], request: Request, state: State,
                               tenant: FromQuery[str] = DEFAULT_TENANT) -> Response:
     _authorize(request, state)
     if not await state.admin.delete(ConversationKey(tenant, session_id)):
