@@ -299,16 +299,28 @@ def placement(env: Env, sizes: Sizes) -> dict:
                        token_ids=True)
     out = {}
     for load_name, hot in (("uniform", None), ("skewed (one 8k-token conversation per 4, no think time)", 8000)):
-        for name, gw in gateways.items():
+        runs: dict[str, list] = {name: [] for name in gateways}
+        # A B B A: a change in the machine's load during the phase hits both choices alike.
+        for repeat, name in enumerate([*gateways, *reversed(gateways)]):
+            gw = gateways[name]
             reset(*engines)
             if hot is None:
-                run, _ = drive(OpenAITarget(gw.url), uniform, concurrency=uniform.conversations)
+                run, _ = drive(OpenAITarget(gw.url), replace(uniform, seed=uniform.seed + repeat),
+                               concurrency=uniform.conversations)
             else:
-                run = _skewed(gw, uniform, hot)
-            figures = _reuse_figures(run, p_stats(ps), {})
-            figures["kv_blocks_read_by_p"] = p_stats(ps)["kv_blocks_read"]
-            per_p = [p_stats([p])["prompt_tokens_computed"] for p in ps]
-            figures["p_spread"] = max(per_p) / statistics.fmean(per_p) if any(per_p) else 0.0
+                run = _skewed(gw, replace(uniform, seed=uniform.seed + repeat), hot)
+            for t in run.turns:
+                t.conversation += 100_000 * repeat          # keep the repeats' conversations apart
+            per_p = [p_stats([p]) for p in ps]
+            runs[name].append((run, per_p))
+        for name, pairs in runs.items():
+            merged = RunResult([t for run, _ in pairs for t in run.turns], sum(run.wall_s for run, _ in pairs))
+            per_p = [{k: sum(stats[i][k] for _, stats in pairs) for k in pairs[0][1][i]} for i in range(len(ps))]
+            total = {k: sum(st[k] for st in per_p) for k in per_p[0]}
+            figures = _reuse_figures(merged, total, {})
+            figures["kv_blocks_read_by_p"] = total["kv_blocks_read"]
+            computed = [st["prompt_tokens_computed"] for st in per_p]
+            figures["p_spread"] = max(computed) / statistics.fmean(computed) if any(computed) else 0.0
             out[(load_name, name)] = figures
     return out
 
@@ -398,8 +410,9 @@ def report(args, sizes: Sizes, zero: dict, history: dict, gpu: dict, reasoning: 
     if place:
         lines += [f"## 5. Placement: {PLACE_P} P + {PLACE_D} D, GPU-like cost model", "",
                   "Previous-P affinity (default; kept while within `--prefill-affinity-slack-tokens` 2048 of the "
-                  "least loaded P) vs `--no-prefill-affinity` (least outstanding prompt tokens). Same workload as "
-                  "section 3 with twice the conversations; skewed: a quarter of them carry an 8k-token history.", "",
+                  "least loaded P) vs `--no-prefill-affinity` (least outstanding prompt tokens), run A B B A and "
+                  "pooled. Same workload as section 3 with twice the conversations; skewed: a quarter of them carry "
+                  "an 8k-token history.", "",
                   "| load | P choice | mean TTFT turns >= 2 ms | p50 ms | P computed | ideal | blocks P read from D | "
                   "busiest P / mean (computed tokens) | errors |", "|---|---|---|---|---|---|---|---|---|"]
         for (load_name, name), f in place.items():
