@@ -33,6 +33,7 @@ HELP = {
     "max_body_bytes": "largest accepted request body",
     "connect_timeout_s": "engine connect timeout",
     "prefill_timeout_s": "P leg deadline",
+    "prefill_handle_timeout_s": "deadline of a P leg that reads D's KV; then P is redone without the handle",
     "decode_first_byte_timeout_s": "D leg deadline for its first byte",
     "decode_idle_timeout_s": "D leg deadline between two streamed chunks",
     "health_interval_s": "engine health check period",

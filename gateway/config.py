@@ -67,6 +67,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_body_bytes: PositiveInt = 8 * 1024 * 1024
     connect_timeout_s: Seconds = 2.0
     prefill_timeout_s: Seconds = 120.0
+    prefill_handle_timeout_s: Seconds = 15.0       # a P leg reading D's KV: then redone without the handle
     decode_first_byte_timeout_s: Seconds = 120.0
     decode_idle_timeout_s: Seconds = 60.0
     health_interval_s: Seconds = 2.0

@@ -20,7 +20,13 @@ from gateway.config import Settings
 from gateway.engines import sse
 from gateway.engines.client import EngineClient, EngineStream
 from gateway.engines.pool import Engine, EnginePool
-from gateway.errors import EngineConnectError, EngineUnavailableError, GatewayError, UpstreamError
+from gateway.errors import (
+    EngineConnectError,
+    EngineTimeoutError,
+    EngineUnavailableError,
+    GatewayError,
+    UpstreamError,
+)
 from gateway.store import Answer, Conversation, ConversationKey, ConversationStore, StoreUnavailableError, TurnStart
 from gateway.telemetry import Metrics, log_turn
 from gateway.tracing import NO_TRACING, NO_TURN, Tracing, TurnTrace
@@ -64,10 +70,11 @@ class _Turn:
     last_error: GatewayError | None = None
     trace: TurnTrace = NO_TURN                         # its spans, when tracing is on
 
-    def retry_after(self, error: GatewayError, engine: Engine) -> None:
-        """Spend one retry on `engine`'s failure, or give up with its error."""
+    def retry_after(self, error: GatewayError, engine: Engine | None) -> None:
+        """Spend one retry on `engine`'s failure (None: the engine is fine, the request was not), or give up."""
         self.trace.leg_failed(error)
-        self.failed.add(engine.url)
+        if engine is not None:
+            self.failed.add(engine.url)
         self.last_error = error
         if self.retries_left <= 0:
             raise error
@@ -153,12 +160,19 @@ class TurnRunner:
             turn.prefill = turn.pick(lambda failed: self.prefill_pool.pick_prefill(
                 self._prefill_affinity(turn), self.settings.prefill_affinity_slack_tokens, exclude=failed))
             body = prefill_body(turn.req, turn.plan.prefill_params)
+            with_handle = turn.plan.handle is not None
+            # vLLM can park a P request whose read of D's blocks it declined (docs/vllm-findings.md #8): a leg
+            # that carries a handle gets a short deadline, then P is redone without it, on any P.
+            timeout = self.settings.prefill_handle_timeout_s if with_handle else self.settings.prefill_timeout_s
             try:
                 return await self._leg(turn.prefill, self.client.post_json(
-                    turn.prefill.url, turn.req.endpoint, body, timeout_s=self.settings.prefill_timeout_s,
+                    turn.prefill.url, turn.req.endpoint, body, timeout_s=timeout,
                     headers=self._headers(turn, "prefill"), decode=turn.req.decode_answer), len(turn.req.prompt_ids))
             except EngineConnectError as exc:
                 turn.retry_after(exc, turn.prefill)      # P never saw it: the same plan, another P
+            except EngineTimeoutError as exc:
+                turn.retry_after(exc, None if with_handle else turn.prefill)
+                turn.plan = plans.full(Reason.PREFILL_FAILED) if with_handle else turn.plan
             except UpstreamError as exc:
                 turn.retry_after(exc, turn.prefill)      # P may have consumed D's handle: no handle now
                 if turn.plan.handle is not None:

@@ -134,3 +134,17 @@ def test_redis_restart_costs_reuse_not_requests(redis_server):
         assert after.reason == "first_turn" and after.text == after.expected
         assert chat.say("And then.").plan == "reuse"
         assert s.total("kv_reads_corrupt") == 0
+
+
+def test_a_p_leg_stuck_on_a_handle_is_redone_without_it():
+    """vLLM 0.32 parks a P request whose read of D's blocks it declined (docs/vllm-findings.md #8): the leg
+    carrying the handle gets its own short deadline, then the same P prefills without the handle."""
+    with stack(sim=LONG_ANSWERS, gateway=["--prefill-handle-timeout-s", "0.5", "--max-retries", "1"]) as s:
+        chat = Chat(s, uuid.uuid4().hex)
+        chat.say("The first question, long enough to fill a few blocks of the cache.")
+        set_timing(s.prefill[0], transfer_ms_per_block=300)     # reading D's blocks now takes seconds
+        began = time.monotonic()
+        turn = chat.say("The second question.")
+        assert (turn.plan, turn.reason) == ("full", "prefill_failed") and turn.text == turn.expected
+        assert time.monotonic() - began < 5
+        assert s.total("kv_reads_corrupt") == 0
