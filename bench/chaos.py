@@ -30,7 +30,7 @@ from gateway.processes import Server, start  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
 TTL_S = 8                      # D pins and P leases are short so that leaks would show within the run
-GATEWAY_FLAGS = ["--prefill-timeout-s", "4", "--decode-first-byte-timeout-s", "4", "--decode-idle-timeout-s",
+GATEWAY_FLAGS = ["--prefill-timeout-s", "4", "--prefill-handle-timeout-s", "3", "--decode-first-byte-timeout-s", "4", "--decode-idle-timeout-s",
                  "1.5", "--max-retries", "2", "--decoder-kv-blocks-ttl-s", str(TTL_S), "--handle-ttl-margin-s",
                  "3", "--health-interval-s", "0.5", "--log-level", "warning"]
 SIM_FLAGS = ["--output-tokens", "70:110", "--kv-lease-duration", str(TTL_S), "--decoder-kv-blocks-ttl",
@@ -73,10 +73,10 @@ class Fleet:
                          for _ in range(replicas)]
 
     def _sim(self, role: str, name: str, port: int = 0) -> Server:
-        # A restarted engine gets a new engine id, as vLLM does unless one is configured.
-        policy = "recompute" if role == "prefill" else "fail"
+        # A restarted engine gets a new engine id, as vLLM does unless one is configured. Both legs under `fail`
+        # (docs/vllm-findings.md #8: vLLM parks a declined read under `recompute`).
         return start(["sim", "--role", role, "--engine-id", f"{name}-{uuid.uuid4().hex[:6]}",
-                      "--kv-load-failure-policy", policy, "--stream-kv-params", *SIM_FLAGS], port=port)
+                      "--kv-load-failure-policy", "fail", "--stream-kv-params", *SIM_FLAGS], port=port)
 
     @property
     def sims(self) -> list[Server]:

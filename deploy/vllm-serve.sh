@@ -10,7 +10,7 @@
 set -eu
 
 case "$PD_ROLE" in
-  prefill) role=kv_producer; policy=recompute ;;  # a failed or expired read of D's blocks becomes a local prefill
+  prefill) role=kv_producer; policy=fail ;;  # vLLM 0.32 parks a declined read under recompute (docs/vllm-findings.md #8)
   decode)  role=kv_consumer; policy=fail ;;       # a failed read from P errors instead of silently recomputing
   *) echo "vllm-serve.sh: PD_ROLE must be prefill or decode, not '$PD_ROLE'" >&2; exit 2 ;;
 esac

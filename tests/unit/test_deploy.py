@@ -200,7 +200,7 @@ def test_gateway_reaches_the_engines_and_store_of_its_own_profile(profile):
 
 
 def test_simulated_engines_advertise_reachable_hosts_and_recommended_policies():
-    for name, policy in (("sim-prefill", "recompute"), ("sim-decode", "fail")):
+    for name, policy in (("sim-prefill", "fail"), ("sim-decode", "fail")):
         args = sim_args(name)
         assert args.host == SERVICES[name]["hostname"] == name     # handles carry it: the peer must resolve it
         assert args.kv_load_failure_policy == policy and args.stream_kv_params
@@ -215,7 +215,7 @@ def test_every_pdgw_variable_names_a_setting():
 
 
 # -- vLLM engines ------------------------------------------------------------------------------------
-@pytest.mark.parametrize(("name", "role", "policy"), [("prefill", "kv_producer", "recompute"),
+@pytest.mark.parametrize(("name", "role", "policy"), [("prefill", "kv_producer", "fail"),
                                                       ("decode", "kv_consumer", "fail")])
 def test_vllm_engines_get_the_protocol_flags(tmp_path, name, role, policy):
     argv = vllm_argv(name, tmp_path)
