@@ -32,7 +32,8 @@ PROBE_MESSAGES = [
     {"role": "assistant", "content": "2 + 2 = 4. Anything else?"},
     {"role": "user", "content": "Yes: name three prime numbers, please."},
 ]
-RECOMMENDED_POLICY = {"prefill": "recompute", "decode": "fail"}   # PROTOCOL.md §1
+# PROTOCOL.md §1 said recompute on P; real vLLM 0.32 parks a declined read under it (docs/vllm-findings.md #8)
+RECOMMENDED_POLICY = {"prefill": "fail", "decode": "fail"}
 Level = Literal["ok", "warn", "fail"]
 _RANK = {"ok": 0, "warn": 1, "fail": 2}
 

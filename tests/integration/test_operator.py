@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 def engines():
     servers = []
     try:
-        for args in (["--role", "prefill", "--engine-id", "p0", "--kv-load-failure-policy", "recompute"],
+        for args in (["--role", "prefill", "--engine-id", "p0", "--kv-load-failure-policy", "fail"],
                      ["--role", "decode", "--engine-id", "d0"],
                      ["--role", "decode", "--engine-id", "d1", "--no-bidirectional"]):
             servers.append(start(["sim", *args]))

@@ -12,7 +12,7 @@ KV = {"connector": "NixlConnector", "bidirectional": True}
 
 
 def engine(role="prefill", **kw) -> EngineReport:
-    policy = "recompute" if role == "prefill" else "fail"
+    policy = "fail"
     defaults = dict(url=f"http://{role}:1", role=role, reachable=True, version="0.32.0", block_size=16,
                     models=["m"], kv_transfer={**KV, "role": role, "failure_policy": policy}, parity="match")
     return EngineReport(**{**defaults, **kw})
@@ -47,7 +47,7 @@ def findings(reports, **settings):
     ([engine(), engine("decode", kv_transfer={**KV, "bidirectional": False, "failure_policy": "fail"})], {},
      "fail", "bidirectional_kv_xfer is off"),
     ([engine(kv_transfer=None), engine("decode")], {}, "warn", "VLLM_SERVER_DEV_MODE"),
-    ([engine(kv_transfer={**KV, "failure_policy": "fail"}), engine("decode")], {}, "warn", "recommended"),
+    ([engine(kv_transfer={**KV, "failure_policy": "recompute"}), engine("decode")], {}, "warn", "recommended"),
     ([engine(), engine("decode", parity="mismatch", parity_detail="first difference at token 3")], {},
      "fail", "token 3"),
     ([engine(parity="unknown"), engine("decode")], {}, "warn", "template parity unknown"),
