@@ -58,7 +58,7 @@ FULL = Sizes(conversations=128, concurrency=64, turns=4, new_tokens=48, think_s=
              history=(4, 6), gpu=(12, 10), placement=True,
              gpu_sim=("--prefill-ms-per-token", "0.1", "--decode-ms-per-token", "10", "--transfer-ms-per-block",
                       "0.05", "--output-tokens", "100:200"))
-QUICK = Sizes(conversations=64, concurrency=64, turns=2, new_tokens=48, think_s=1.5, saturation_s=1.5, rounds=1,
+QUICK = Sizes(conversations=64, concurrency=64, turns=2, new_tokens=48, think_s=1.0, saturation_s=1.0, rounds=1,
               history=(2, 4), gpu=(6, 6), placement=False,
               gpu_sim=("--prefill-ms-per-token", "0.1", "--decode-ms-per-token", "0.5", "--transfer-ms-per-block",
                        "0.05", "--output-tokens", "100:160"))
