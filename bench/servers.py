@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from gateway.processes import Server, free_port, start  # noqa: E402
+from gateway.processes import Server, answers, free_port, start  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
 START_TIMEOUT_S = 60.0
@@ -131,19 +131,11 @@ def _await(proc: subprocess.Popen, port_file: Path, log_path: Path, args: list[s
         text = port_file.read_text().strip() if port_file.exists() else ""
         if text:
             server = Server(proc, int(text), log_path, args)
-            if _answers(server.url + "/health"):
+            if answers(server.url + "/health"):
                 return server
         time.sleep(0.05)
     proc.kill()
     raise TimeoutError(f"{args[:2]} not healthy after {START_TIMEOUT_S}s:\n{log_path.read_text()[-3000:]}")
-
-
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
 
 
 def get_json(url: str) -> dict:

@@ -62,7 +62,7 @@ def start(args: list[str], *, health: str = "/health", env: dict[str, str] | Non
                 raise RuntimeError(f"{args[0]} exited {proc.returncode}:\n{log_path.read_text()}")
             if server is None and port_file.exists() and port_file.read_text().strip():
                 server = Server(proc, int(port_file.read_text()), log_path, args)
-            if server is not None and _answers(server.url + health):
+            if server is not None and answers(server.url + health):
                 return server
             time.sleep(0.05)
         raise TimeoutError(f"{args[0]} not healthy after {START_TIMEOUT_S}s:\n{log_path.read_text()}")
@@ -72,7 +72,8 @@ def start(args: list[str], *, health: str = "/health", env: dict[str, str] | Non
         raise
 
 
-def _answers(url: str) -> bool:
+def answers(url: str) -> bool:
+    """True when `url` answers 200 within a second."""
     try:
         with urllib.request.urlopen(url, timeout=1) as resp:
             return resp.status == 200
