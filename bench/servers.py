@@ -51,20 +51,12 @@ class Servers(contextlib.ExitStack):
         """Start several gateways at once: (prefill engines, decode engines, flags) each."""
         procs = []
         for prefill, decode, flags in specs:
-            args = ["serve", "--log-level", "warning", *flags]
-            for p in prefill:
-                args += ["--prefill", p.url]
-            for d in decode:
-                args += ["--decode", d.url]
-            procs.append(_Pending(args))
+            procs.append(_Pending(["serve", "--log-level", "warning", *flags, *engine_flags(prefill, decode)]))
         return self._wait(procs)
 
     def naive(self, prefill: list[Server], decode: list[Server]) -> Server:
         args = [sys.executable, str(ROOT / "bench" / "naive_proxy.py")]
-        for p in prefill:
-            args += ["--prefill", p.url]
-        for d in decode:
-            args += ["--decode", d.url]
+        args += engine_flags(prefill, decode)
         server = _spawn(args, port_flag=True)
         self.callback(server.stop)
         return server
@@ -77,10 +69,7 @@ class Servers(contextlib.ExitStack):
         args = [exe, "--vllm-pd-disaggregation", "--policy", "round_robin", "--host", "127.0.0.1",
                 "--port", str(port), "--log-level", "warning", "--max-concurrent-requests", "4096",
                 "--disable-retries", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
-        for p in prefill:
-            args += ["--prefill", p.url]
-        for d in decode:
-            args += ["--decode", d.url]
+        args += engine_flags(prefill, decode)
         server = _spawn(args, port=port)
         self.callback(server.stop)
         return server
@@ -164,3 +153,8 @@ def metrics(url: str) -> dict[str, float]:
 def servers() -> Iterator[Servers]:
     with Servers() as stack:
         yield stack
+
+
+def engine_flags(prefill: list[Server], decode: list[Server]) -> list[str]:
+    """--prefill URL ... --decode URL ...: how every proxy under test is told about the engines."""
+    return [a for p in prefill for a in ("--prefill", p.url)] + [a for d in decode for a in ("--decode", d.url)]
