@@ -12,9 +12,13 @@ KEEP_ALIVE_S = 75
 
 
 def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket whose connections send small writes at once. asyncio sets TCP_NODELAY only on
+    sockets made with proto IPPROTO_TCP (socket.socket() makes proto 0), and without it a response written in
+    two parts waits for the client's delayed ACK: 40 ms on Linux. Accepted sockets inherit both settings."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     return sock
 
