@@ -37,6 +37,11 @@ ZERO_SIM = ["--no-prompt-token-ids", "--stream-kv-params", "--num-blocks", "6000
             "--max-model-len", "131072", "--output-tokens", "16:48"]
 GATEWAY_TTL = ["--decoder-kv-blocks-ttl-s", "90", "--handle-ttl-margin-s", "10"]
 PLACE_P, PLACE_D = 4, 2         # placement phase: engines per pool
+# Added latency is measured against a floor that makes the engines do the same work: the stateful proxies hand
+# D's last handle to P (P reads the history from D), so theirs is the load generator doing just that itself.
+REUSE_FLOOR = "floor with reuse"
+FLOORS = ("floor", REUSE_FLOOR)
+BASELINE = {"pd-gateway": REUSE_FLOOR, "naive proxy": REUSE_FLOOR, "vllm-router": "floor"}
 
 
 @dataclass(frozen=True)
@@ -152,7 +157,8 @@ def start_all(s: Servers, sizes: Sizes) -> Env:
 # -- 1. zero timing: floor, pd-gateway, naive proxy, vllm-router --------------------------------------------
 def zero_timing(s: Servers, env: Env, sizes: Sizes, notes: list[str]) -> dict:
     p, d, gw = env.zero_p, env.zero_d, env.zero_gw
-    setups: dict[str, tuple] = {"floor": (FloorTarget([p.url], [d.url]), None)}
+    setups: dict[str, tuple] = {"floor": (FloorTarget([p.url], [d.url]), None),
+                                REUSE_FLOOR: (FloorTarget([p.url], [d.url], reuse=True), None)}
     setups["pd-gateway"] = (OpenAITarget(gw.url), gw)
     setups["naive proxy"] = (OpenAITarget((naive := s.naive([p], [d])).url), naive)
     try:
@@ -163,6 +169,8 @@ def zero_timing(s: Servers, env: Env, sizes: Sizes, notes: list[str]) -> dict:
     w = Workload(conversations=sizes.conversations, turns=sizes.turns, new_tokens=sizes.new_tokens,
                  think_s=sizes.think_s, seed=1)
     rows, saturation = {name: Row(name, RunResult([], 0.0), 0.0) for name in setups}, {}
+    for target, _ in setups.values():       # warm up: first connections, lazy imports, first allocations
+        drive(target, replace(w, conversations=8, turns=2, think_s=0.0, seed=99), concurrency=8)
     before = metrics(gw.url)
     # Set-ups take turns, round after round, so that a change in the machine's load hits them alike.
     per_round = replace(w, conversations=max(sizes.concurrency, w.conversations // sizes.rounds))
@@ -345,8 +353,11 @@ def _skewed(gw, w: Workload, hot_history: int) -> RunResult:
 def report(args, sizes: Sizes, zero: dict, history: dict, gpu: dict, reasoning: dict, place: dict | None,
            notes: list[str], wall_s: float) -> tuple[str, str]:
     rows: list[Row] = zero["rows"]
-    floor = next(r for r in rows if r.setup == "floor")
-    f50, f99 = percentile(floor.ttft, 50) * 1e3, percentile(floor.ttft, 99) * 1e3
+    by_name = {r.setup: r for r in rows}
+
+    def added(r: Row, q: float) -> float:
+        """The set-up's TTFT percentile minus its floor's (same engine work, no proxy)."""
+        return (percentile(r.ttft, q) - percentile(by_name[BASELINE[r.setup]].ttft, q)) * 1e3
     w: Workload = zero["workload"]
     lines = [f"# Benchmark results: `{' '.join(['python', 'bench/compare.py', *args.argv])}`", "",
              f"- date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}; wall time {wall_s:.0f} s",
@@ -358,9 +369,13 @@ def report(args, sizes: Sizes, zero: dict, history: dict, gpu: dict, reasoning: 
               f"(in {sizes.rounds} interleaved round(s) per set-up), "
               f"~{w.new_tokens} new user tokens per turn, answers 16–48 tokens, think time uniform in 0–{2 * w.think_s:g} s "
               "(chat users pausing between turns; the machine stays below saturation, so the figures are the "
-              "proxy's own latency, not queueing). TTFT = request sent → first SSE event (floor: from P's leg). Added = the set-up's percentile "
-              "minus the floor's. CPU = the proxy process's user+system CPU per turn. The engines render prompts in "
-              "every set-up (`--no-prompt-token-ids`). Streamed D legs carry their handle (`--stream-kv-params`).",
+              "proxy's own latency, not queueing). TTFT = request sent → first SSE event (floor: from P's leg). "
+              "Floors: the load generator sends P's leg then D's itself, no proxy; `floor with reuse` also hands "
+              "each conversation's last D handle to P, as the stateful proxies do, so the engines do the same work "
+              "(P reads the history from D). Added = the set-up's percentile minus its floor's: pd-gateway and "
+              "the naive proxy against `floor with reuse`, vllm-router (stateless) against `floor`. CPU = the "
+              "proxy process's user+system CPU per turn. The engines render prompts in every set-up "
+              "(`--no-prompt-token-ids`). Streamed D legs carry their handle (`--stream-kv-params`).",
               "", "| set-up | turns | errors | TTFT p50 ms | p90 | p99 | added p50 ms | added p99 ms | "
               "proxy CPU ms/turn | engines' CPU ms/turn | saturated turns/s | CPU ms/turn saturated | "
               "proxy capacity turns/CPU-s |",
@@ -371,16 +386,13 @@ def report(args, sizes: Sizes, zero: dict, history: dict, gpu: dict, reasoning: 
         cap = 1e3 / sat["cpu_ms_per_turn"] if sat.get("cpu_ms_per_turn") else None
         lines.append(f"| {r.setup} | {len(r.run.ok)} | {r.run.errors + sat.get('errors', 0)} | {t50:.2f} | "
                      f"{t90:.2f} | {t99:.2f} | "
-                     f"{'—' if r.setup == 'floor' else f'{t50 - f50:+.2f}'} | "
-                     f"{'—' if r.setup == 'floor' else f'{t99 - f99:+.2f}'} | "
+                     f"{'—' if r.setup in FLOORS else f'{added(r, 50):+.2f}'} | "
+                     f"{'—' if r.setup in FLOORS else f'{added(r, 99):+.2f}'} | "
                      f"{_fmt(r.cpu_ms_per_turn)} | {_fmt(r.extra.get('engines_cpu_ms'))} | "
                      f"{sat.get('turns_per_s', 0):.0f} | {_fmt(sat.get('cpu_ms_per_turn'))} | "
                      f"{_fmt(cap, 0)} |")
-    gw = next(r for r in rows if r.setup == "pd-gateway")
-    naive = next(r for r in rows if r.setup == "naive proxy")
-    added50 = percentile(gw.ttft, 50) * 1e3 - f50
-    added99 = percentile(gw.ttft, 99) * 1e3 - f99
-    naive_added = percentile(naive.ttft, 50) * 1e3 - f50
+    gw, naive = by_name["pd-gateway"], by_name["naive proxy"]
+    added50, added99, naive_added = added(gw, 50), added(gw, 99), added(naive, 50)
     naive_added_ratio = added50 / naive_added if naive_added > 0 else float("nan")
     gw_sat, naive_sat = zero["saturation"]["pd-gateway"], zero["saturation"]["naive proxy"]
     naive_throughput_ratio = naive_sat["cpu_ms_per_turn"] / gw_sat["cpu_ms_per_turn"] \
@@ -439,10 +451,10 @@ def report(args, sizes: Sizes, zero: dict, history: dict, gpu: dict, reasoning: 
               f"{_met(r_reuse['reuse_of_ideal'] >= 0.9)} |",
               f"| GPU cost: mean TTFT turns >= 2 at least 3x lower with reuse | {ttft_gain:.1f}x | "
               f"{_met(ttft_gain >= 3)} |", ""]
-    router = next((r for r in rows if r.setup == "vllm-router"), None)
+    router = by_name.get("vllm-router")
     if router:
-        lines += [f"vllm-router (stateless PD, Rust): added p50 {percentile(router.ttft, 50) * 1e3 - f50:+.2f} ms, "
-                  f"p99 {percentile(router.ttft, 99) * 1e3 - f99:+.2f} ms, {_fmt(router.cpu_ms_per_turn)} CPU ms per "
+        lines += [f"vllm-router (stateless PD, Rust): added p50 {added(router, 50):+.2f} ms, "
+                  f"p99 {added(router, 99):+.2f} ms, {_fmt(router.cpu_ms_per_turn)} CPU ms per "
                   "turn; it keeps no conversation state, so every turn is a full prefill on P (less P's prefix-cache "
                   "hits).", ""]
     if notes:
@@ -513,6 +525,21 @@ def _other_engines() -> int:
     return count
 
 
+def pin_cpus(notes: list[str]) -> set[int] | None:
+    """The last CPU for the proxy under test; this process (the load generator) and all it starts otherwise
+    (engines, Redis) on the rest. As deployed: the gateway's process does not share its core with the
+    engines. Every set-up, floors included, runs under the same placement."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cpus) < 2:
+        notes.append("not pinned: fewer than 2 CPUs")
+        return None
+    proxy, rest = {cpus[-1]}, set(cpus[:-1])
+    os.sched_setaffinity(0, rest)
+    notes.append(f"pinned: the proxy under test on CPU {cpus[-1]}; load generator, engines and Redis on "
+                 f"CPU(s) {', '.join(map(str, sorted(rest)))}")
+    return proxy
+
+
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     size = ap.add_mutually_exclusive_group()
@@ -520,6 +547,9 @@ def main(argv: list[str] | None = None) -> str:
     size.add_argument("--smoke", action="store_true", help="tiny sizes, for tests")
     ap.add_argument("--placement", action=argparse.BooleanOptionalAction, default=None,
                     help="run the placement phase (default: only at full size)")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                    help="give the proxy under test a CPU of its own, the engines, Redis and the load generator "
+                         "the others (default: on with 2+ CPUs)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "RESULTS.md"),
                     help="where to write the table ('-': nowhere)")
     args = ap.parse_args(argv)
@@ -539,6 +569,7 @@ def main(argv: list[str] | None = None) -> str:
             phases[name] = time.perf_counter() - t
 
     with Servers() as servers:
+        servers.proxy_cpus = pin_cpus(notes) if args.pin else None
         env = timed("start-up", start_all, servers, sizes)
         zero = timed("zero timing", zero_timing, servers, env, sizes, notes)
         history = timed("history", history_cost, env, sizes)

@@ -61,6 +61,7 @@ class Reply:
     prompt_ids: list[int] | None = None
     output_ids: list[int] = field(default_factory=list)
     error: str = ""
+    handle: dict | None = None          # D's kv_transfer_params, when its stream carried them
 
 
 async def read_stream(resp: aiohttp.ClientResponse, began: float, want_ids: bool) -> Reply:
@@ -72,7 +73,7 @@ async def read_stream(resp: aiohttp.ClientResponse, began: float, want_ids: bool
             reply.ttft_s, first = time.perf_counter() - began, False
         payload = line[5:].strip()
         if payload == b"[DONE]":
-            break
+            continue            # read on to the end of the body: then the connection is kept for the next turn
         event = _decode(payload)
         if "error" in event:
             reply.error = str(event["error"])[:200]
@@ -87,6 +88,7 @@ async def read_stream(resp: aiohttp.ClientResponse, began: float, want_ids: bool
                 reply.output_ids.extend(choice["token_ids"])
         if event.get("usage"):
             reply.prompt_tokens = event["usage"].get("prompt_tokens", 0)
+        reply.handle = event.get("kv_transfer_params") or reply.handle
     return reply
 
 
@@ -127,16 +129,21 @@ class OpenAITarget(Target):
 
 
 class FloorTarget(Target):
-    """No proxy: the load generator itself sends P's leg (max_tokens 1) then D's leg with P's handle."""
+    """No proxy: the load generator itself sends P's leg (max_tokens 1) then D's leg with P's handle.
+    `reuse`: it also keeps each conversation's last D handle and hands it to P next turn, unchecked, so the
+    engines do the same work as behind a stateful proxy (P reads the history from D) at no routing cost.
+    Needs one D (the handle names it) and engines that stream the handle."""
 
-    def __init__(self, prefill: list[str], decode: list[str]) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], *, reuse: bool = False) -> None:
         self._p = itertools.cycle([u.rstrip("/") + "/v1/chat/completions" for u in prefill])
         self._d = itertools.cycle([u.rstrip("/") + "/v1/chat/completions" for u in decode])
+        self._handles: dict[str, dict] | None = {} if reuse else None
 
     async def send(self, http, script, messages, turn, w):
         body = _body(messages, turn, w, script)
         prefill = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "return_token_ids")}
-        prefill.update(max_tokens=1, stream=False, kv_transfer_params=FRESH_PREFILL)
+        held = self._handles.pop(script.session, None) if self._handles is not None else None
+        prefill.update(max_tokens=1, stream=False, kv_transfer_params=held or FRESH_PREFILL)
         began = time.perf_counter()
         async with http.post(next(self._p), data=_encode(prefill), headers=JSON) as resp:
             if resp.status != 200:
@@ -146,7 +153,10 @@ class FloorTarget(Target):
         async with http.post(next(self._d), data=_encode(body), headers=JSON) as resp:
             if resp.status != 200:
                 return Reply(error=f"D HTTP {resp.status}"), {}
-            return await read_stream(resp, began, w.token_ids), {}
+            reply = await read_stream(resp, began, w.token_ids)
+        if self._handles is not None and reply.handle:
+            self._handles[script.session] = reply.handle
+        return reply, {}
 
 
 async def conversation(http: aiohttp.ClientSession, target: Target, w: Workload, index: int, run: str,

@@ -28,7 +28,10 @@ START_TIMEOUT_S = 60.0
 
 
 class Servers(contextlib.ExitStack):
-    """Starts processes and stops every one of them, by PID, on exit."""
+    """Starts processes and stops every one of them, by PID, on exit. `proxy_cpus`: the CPUs every proxy under
+    test (gateways, the naive proxy, vllm-router) is confined to; None leaves them where the caller runs."""
+
+    proxy_cpus: set[int] | None = None
 
     def sim(self, role: str, engine_id: str, *flags: str) -> Server:
         server = start(["sim", "--role", role, "--engine-id", engine_id, *flags])
@@ -51,13 +54,14 @@ class Servers(contextlib.ExitStack):
         """Start several gateways at once: (prefill engines, decode engines, flags) each."""
         procs = []
         for prefill, decode, flags in specs:
-            procs.append(_Pending(["serve", "--log-level", "warning", *flags, *engine_flags(prefill, decode)]))
+            procs.append(_Pending(["serve", "--log-level", "warning", *flags, *engine_flags(prefill, decode)],
+                                  cpus=self.proxy_cpus))
         return self._wait(procs)
 
     def naive(self, prefill: list[Server], decode: list[Server]) -> Server:
         args = [sys.executable, str(ROOT / "bench" / "naive_proxy.py")]
         args += engine_flags(prefill, decode)
-        server = _spawn(args, port_flag=True)
+        server = _spawn(args, port_flag=True, cpus=self.proxy_cpus)
         self.callback(server.stop)
         return server
 
@@ -70,7 +74,7 @@ class Servers(contextlib.ExitStack):
                 "--port", str(port), "--log-level", "warning", "--max-concurrent-requests", "4096",
                 "--disable-retries", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         args += engine_flags(prefill, decode)
-        server = _spawn(args, port=port)
+        server = _spawn(args, port=port, cpus=self.proxy_cpus)
         self.callback(server.stop)
         return server
 
@@ -79,16 +83,21 @@ class Servers(contextlib.ExitStack):
 
 
 class _Pending:
-    def __init__(self, args: list[str]) -> None:
+    def __init__(self, args: list[str], cpus: set[int] | None = None) -> None:
         self.args = args
         self.tmp = Path(tempfile.mkdtemp(prefix="pdgw-bench-"))
         cmd = [sys.executable, "-m", "gateway", *args, "--host", "127.0.0.1", "--port", "0",
                "--port-file", str(self.tmp / "port")]
         self.log = open(self.tmp / "log", "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=_pin(cpus))
 
     def wait(self) -> Server:
         return _await(self.proc, self.tmp / "port", self.tmp / "log", self.args)
+
+
+def _pin(cpus: set[int] | None):
+    """A preexec_fn confining the child (and every thread it starts) to `cpus`."""
+    return (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
 
 
 def _stop_pid(proc: subprocess.Popen) -> None:
@@ -101,14 +110,16 @@ def _stop_pid(proc: subprocess.Popen) -> None:
             proc.wait(timeout=10)
 
 
-def _spawn(args: list[str], *, port_flag: bool = False, port: int | None = None) -> Server:
+def _spawn(args: list[str], *, port_flag: bool = False, port: int | None = None,
+           cpus: set[int] | None = None) -> Server:
     tmp = Path(tempfile.mkdtemp(prefix="pdgw-bench-"))
     if port_flag:
         args = [*args, "--port", "0", "--port-file", str(tmp / "port")]
     else:
         (tmp / "port").write_text(str(port))
     log = open(tmp / "log", "wb")
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"},
+                            preexec_fn=_pin(cpus))
     return _await(proc, tmp / "port", tmp / "log", args)
 
 

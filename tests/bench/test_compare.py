@@ -30,7 +30,7 @@ def test_compare_smoke_runs_every_setup_and_ends_with_the_summary_line(tmp_path)
     values = [float(v) for v in match.groups()]
     assert all(math.isfinite(v) for v in values), last
     table = out.read_text()
-    for setup in ("| floor |", "| pd-gateway |", "| naive proxy |"):
+    for setup in ("| floor |", "| floor with reuse |", "| pd-gateway |", "| naive proxy |"):
         assert setup in table
     assert "vllm-router" in table              # a row, or a note saying why it could not run
     assert "| reuse (sessions) |" in table and "## Targets" in table
@@ -63,3 +63,25 @@ def test_ideal_reuse_is_the_common_prefix_with_the_previous_held_tokens():
     assert figures["ideal_computed"] == 4 + 3          # turn 1 all; turn 2: 9 - common prefix 6
     assert figures["excess_per_later_turn"] == 0 and figures["reuse_of_ideal"] == 1.0
     assert figures["ttft_mean_later_ms"] == pytest.approx(50.0)
+
+
+@pytest.mark.integration
+def test_floor_with_reuse_makes_p_read_the_history_from_d():
+    """The floor the stateful proxies are measured against does the engines' work they cause: from the second
+    turn on, P reads the conversation's KV from D (the simulator's own count), and none of it is wrong. Answers
+    long enough that P's own prefix cache does not already hold most of the next prompt."""
+    from bench.compare import ZERO_SIM
+    from bench.loadgen import FloorTarget, arun, run as drive
+    from bench.servers import Servers, get_json
+    from bench.workload import Workload
+
+    with Servers() as servers:
+        sim = [*ZERO_SIM, "--output-tokens", "80:96"]
+        p, d = servers.sims([("prefill", "fp", sim), ("decode", "fd", sim)])
+        plain = arun(drive(FloorTarget([p.url], [d.url]), Workload(conversations=2, turns=3), concurrency=2))
+        assert plain.errors == 0 and get_json(p.url + "/sim/stats")["prompt_tokens_loaded"] == 0
+        reuse = arun(drive(FloorTarget([p.url], [d.url], reuse=True), Workload(conversations=2, turns=3, seed=1),
+                           concurrency=2))
+        stats = get_json(p.url + "/sim/stats")
+    assert reuse.errors == 0
+    assert stats["prompt_tokens_loaded"] > 0 and stats["kv_reads_corrupt"] == 0
