@@ -36,8 +36,8 @@ class TurnRequest:
 
     @cached_property
     def prompt_json(self) -> bytes:
-        """The prompt ids as JSON, encoded once per turn."""
-        return msgspec.json.encode(self.prompt_ids)
+        """The prompt ids as JSON, once per turn: joined from the rendering's cached pieces when it has them."""
+        return getattr(self.prompt_ids, "as_json", None) or msgspec.json.encode(self.prompt_ids)
 
     @cached_property
     def forwarded(self) -> dict[str, Any]:
@@ -66,10 +66,12 @@ class TurnRequest:
         return answer
 
 
-def prefill_body(req: TurnRequest, params: dict[str, Any]) -> dict[str, Any]:
-    """P's leg. The history and the ids are msgspec.Raw (already-encoded JSON) shared with D's leg."""
+def prefill_body(req: TurnRequest, params: dict[str, Any], *, confirm_ids: bool = True) -> dict[str, Any]:
+    """P's leg. The history and the ids are msgspec.Raw (already-encoded JSON) shared with D's leg.
+    `confirm_ids`: have P echo its prompt ids (checked when P reads D's KV; otherwise an echo of the whole
+    prompt, 32k ids for a 32k-token history, would be received for nothing)."""
     body = {k: v for k, v in req.forwarded.items() if k not in _DECODE_ONLY}
-    body.update(max_tokens=1, stream=False, return_token_ids=True, kv_transfer_params=_pinned(req, params))
+    body.update(max_tokens=1, stream=False, return_token_ids=confirm_ids, kv_transfer_params=_pinned(req, params))
     return _with_prompt(req, body)
 
 

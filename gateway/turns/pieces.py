@@ -31,14 +31,16 @@ PROBE_PIECES = ("", "user\nHello world", " leading space", "trailing space ", "\
 
 
 class TokenIds(list):
-    """A list of token ids that also carries them as int64 little-endian bytes (what continuity hashes),
-    built from cached pieces so the bytes cost a copy, not a conversion. Slices and sums are plain lists."""
+    """A list of token ids that also carries them as int64 little-endian bytes (what continuity hashes) and,
+    when built from cached pieces, as a JSON array (what both legs send): each costs a copy, not a conversion.
+    Slices and sums are plain lists."""
 
-    __slots__ = ("as_bytes",)
+    __slots__ = ("as_bytes", "as_json")
 
     def __init__(self, ids: Sequence[int] = (), as_bytes: bytes | None = None) -> None:
         super().__init__(ids)
         self.as_bytes = as_bytes if as_bytes is not None else array("q", ids).tobytes()
+        self.as_json: bytes | None = None
 
 
 class PieceEncoder:
@@ -51,11 +53,13 @@ class PieceEncoder:
         self._specials = specials
         self._special_bytes = {s: array("q", [i]).tobytes() for s, i in specials.items()}
         alternatives = "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True))
+        self._special_json = {s: str(i).encode() for s, i in specials.items()}
         self._split = re.compile(f"({alternatives})").split
         self._encode_batch = encode_batch
-        # Ids as tuples: a tuple of ints drops out of the garbage collector's view, a list would be re-scanned,
-        # millions of elements, on every full collection.
-        self._cache: OrderedDict[str, tuple[tuple[int, ...], bytes]] = OrderedDict()
+        # Per piece: its ids, as int64 bytes, as JSON array items (no brackets). Ids as tuples: a tuple of ints
+        # drops out of the garbage collector's view, a list would be re-scanned, millions of elements, on every
+        # full collection.
+        self._cache: OrderedDict[str, tuple[tuple[int, ...], bytes, bytes]] = OrderedDict()
         self._cached_tokens = 0
         self.max_tokens = max_tokens
         self.hits = self.misses = 0
@@ -75,31 +79,37 @@ class PieceEncoder:
             self._add(missing, self._encode_batch(missing))
         ids = TokenIds.__new__(TokenIds)          # filled in place: no second copy of a long prompt
         chunks: list[bytes] = []
-        specials, special_bytes = self._specials, self._special_bytes
+        items: list[bytes] = []
+        specials, special_bytes, special_json = self._specials, self._special_bytes, self._special_json
         for i, part in enumerate(parts):
             if i & 1:
                 ids.append(specials[part])
                 chunks.append(special_bytes[part])
+                items.append(special_json[part])
             elif part:
-                piece_ids, piece_bytes = cache[part]
+                piece_ids, piece_bytes, piece_json = cache[part]
                 cache.move_to_end(part)
                 ids += piece_ids
                 chunks.append(piece_bytes)
+                if piece_json:
+                    items.append(piece_json)
         self.misses += len(missing)
         self.hits += sum(1 for p in parts[0::2] if p) - len(missing)
         self._evict(keep=len(parts) // 2 + 1)
         ids.as_bytes = b"".join(chunks)
+        ids.as_json = b"[" + b",".join(items) + b"]"
         return ids
 
     def _add(self, pieces: list[str], encoded: list[list[int]]) -> None:
         for piece, piece_ids in zip(pieces, encoded, strict=True):
-            self._cache[piece] = (tuple(piece_ids), array("q", piece_ids).tobytes())
+            items = ",".join(map(str, piece_ids)).encode()
+            self._cache[piece] = (tuple(piece_ids), array("q", piece_ids).tobytes(), items)
             self._cached_tokens += len(piece_ids)
 
     def _evict(self, keep: int) -> None:
         """Least recently used first, never the `keep` most recent (the request just served)."""
         while self._cached_tokens > self.max_tokens and len(self._cache) > keep:
-            _, (old, _) = self._cache.popitem(last=False)
+            _, (old, _, _) = self._cache.popitem(last=False)
             self._cached_tokens -= len(old)
 
     def verify(self, encode_full: Callable[[str], list[int]], extra_pieces: Sequence[str] = (),

@@ -159,8 +159,8 @@ class TurnRunner:
         while True:
             turn.prefill = turn.pick(lambda failed: self.prefill_pool.pick_prefill(
                 self._prefill_affinity(turn), self.settings.prefill_affinity_slack_tokens, exclude=failed))
-            body = prefill_body(turn.req, turn.plan.prefill_params)
             with_handle = turn.plan.handle is not None
+            body = prefill_body(turn.req, turn.plan.prefill_params, confirm_ids=with_handle)
             # vLLM can park a P request whose read of D's blocks it declined (docs/vllm-findings.md #8): a leg
             # that carries a handle gets a short deadline, then P is redone without it, on any P.
             timeout = self.settings.prefill_handle_timeout_s if with_handle else self.settings.prefill_timeout_s

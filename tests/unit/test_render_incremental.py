@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -58,6 +59,7 @@ def test_incremental_equals_whole(pair, history, generation):
     got = incremental.render_chat(history, add_generation_prompt=generation)
     assert list(got) == list(expected)
     assert isinstance(got, TokenIds) and got.as_bytes == TokenIds(list(expected)).as_bytes
+    assert got.as_json == msgspec.json.encode(list(expected))          # what both legs send, byte for byte
 
 
 def test_a_growing_conversation_only_encodes_its_new_messages(pair):

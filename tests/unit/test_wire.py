@@ -59,6 +59,12 @@ def test_prefill_body_is_one_token_non_streamed_with_pinned_ids():
     assert body["max_tokens"] == 1 and body["stream"] is False
     assert "stream_options" not in body and "min_tokens" not in body
     assert _json(body["kv_transfer_params"]) == {"do_remote_decode": True, "prompt_token_ids": [1, 2, 3]}
+    assert body["return_token_ids"] is True                  # P's prompt ids are confirmed before D's leg
+
+
+def test_prefill_without_a_handle_asks_for_no_echo_of_the_prompt():
+    body = prefill_body(_turn(), {"do_remote_decode": True}, confirm_ids=False)
+    assert body["return_token_ids"] is False
 
 
 def test_decode_body_keeps_the_clients_request():
