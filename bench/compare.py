@@ -60,11 +60,11 @@ class Sizes:
 
 
 FULL = Sizes(conversations=128, concurrency=64, turns=4, new_tokens=48, think_s=4.0, saturation_s=6.0, rounds=2,
-             history=(4, 6), gpu=(12, 10), placement=True,
+             history=(8, 12), gpu=(12, 10), placement=True,
              gpu_sim=("--prefill-ms-per-token", "0.1", "--decode-ms-per-token", "10", "--transfer-ms-per-block",
                       "0.05", "--output-tokens", "100:200"))
 QUICK = Sizes(conversations=64, concurrency=64, turns=2, new_tokens=48, think_s=1.0, saturation_s=1.0, rounds=1,
-              history=(2, 4), gpu=(6, 6), placement=False,
+              history=(4, 6), gpu=(6, 6), placement=False,
               gpu_sim=("--prefill-ms-per-token", "0.1", "--decode-ms-per-token", "0.5", "--transfer-ms-per-block",
                        "0.05", "--output-tokens", "100:160"))
 SMOKE = Sizes(conversations=4, concurrency=4, turns=2, new_tokens=16, think_s=0.0, saturation_s=0.5, rounds=1,
@@ -547,9 +547,10 @@ def main(argv: list[str] | None = None) -> str:
     size.add_argument("--smoke", action="store_true", help="tiny sizes, for tests")
     ap.add_argument("--placement", action=argparse.BooleanOptionalAction, default=None,
                     help="run the placement phase (default: only at full size)")
-    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+    ap.add_argument("--pin", action="store_true",
                     help="give the proxy under test a CPU of its own, the engines, Redis and the load generator "
-                         "the others (default: on with 2+ CPUs)")
+                         "the others (needs 2+ CPUs; off by default: on this project's 2-vCPU VMs it raised the "
+                         "proxies' low-load CPU per turn and did not lower their added latency)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "RESULTS.md"),
                     help="where to write the table ('-': nowhere)")
     args = ap.parse_args(argv)

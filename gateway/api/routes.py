@@ -9,8 +9,10 @@ from typing import Any
 
 from litestar import Request, Response, get, post
 from litestar.datastructures import State
-from litestar.response import Stream
+from litestar.response.base import ASGIResponse
+from litestar.types import ASGIApp
 
+from gateway.api.events import EventStream
 from gateway.api.openapi import openapi_json
 from gateway.api.schemas import ChatRequest, CompletionRequest, parse
 from gateway.errors import InvalidRequestError
@@ -22,13 +24,14 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9_.:-]{1,96}")
 MAX_SESSION_CHARS = 256
 
 
+# Turns answer with ASGI responses of their own (`_respond`): Litestar hands them to the server as they are.
 @post("/v1/chat/completions", status_code=200)
-async def chat_completions(request: Request, state: State) -> Response:
+async def chat_completions(request: Request, state: State) -> ASGIApp:
     return await _turn(request, state, ChatRequest, state.intake.chat)
 
 
 @post("/v1/completions", status_code=200)
-async def completions(request: Request, state: State) -> Response:
+async def completions(request: Request, state: State) -> ASGIApp:
     return await _turn(request, state, CompletionRequest, state.intake.completion)
 
 
@@ -58,7 +61,7 @@ async def metrics(state: State) -> bytes:
 ROUTES = [chat_completions, completions, models, health, ready, metrics, openapi_json]
 
 
-async def _turn(request: Request, state: State, schema: type, intake: Callable[..., TurnRequest]) -> Response:
+async def _turn(request: Request, state: State, schema: type, intake: Callable[..., TurnRequest]) -> ASGIApp:
     """Authenticate, validate, render, run: the same for chat and completions."""
     tenant = state.api_keys.tenant_for(request.headers.get("authorization"))
     body, parsed = parse(await request.body(), schema)
@@ -66,10 +69,11 @@ async def _turn(request: Request, state: State, schema: type, intake: Callable[.
     return _respond(await state.runner.run(turn, _session(request, body, state, tenant)))
 
 
-def _respond(reply: TurnReply) -> Response:
+def _respond(reply: TurnReply) -> ASGIApp:
     if reply.stream is not None:
-        return Stream(reply.stream, media_type="text/event-stream", headers=reply.headers)
-    return Response(reply.body, media_type="application/json", headers=reply.headers)
+        return EventStream(reply.stream, reply.headers)
+    return ASGIResponse(body=reply.body or b"", media_type="application/json", headers=reply.headers,
+                        status_code=200)
 
 
 def _request_id(request: Request) -> str:
