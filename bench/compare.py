@@ -199,7 +199,21 @@ def zero_timing(s: Servers, env: Env, sizes: Sizes, notes: list[str]) -> dict:
 
 def _delta(before: dict, after: dict) -> dict:
     return {k: after[k] - before.get(k, 0.0) for k in after
-            if k.startswith(("pdgw_turns_total", "pdgw_prompt_tokens_total"))}
+            if k.startswith(("pdgw_turns_total", "pdgw_prompt_tokens_total", "pdgw_turn_seconds_",
+                             "pdgw_store_seconds_"))}
+
+
+def _phase_means(gw_metrics: dict) -> str:
+    """Mean ms per phase from the gateway's own histograms: where its part of a turn's time went."""
+    out = []
+    for histogram, label, names in (("pdgw_turn_seconds", "phase", ("intake", "plan", "prefill", "decode_ttft")),
+                                    ("pdgw_store_seconds", "op", ("begin_turn", "finish_turn"))):
+        for name in names:
+            key = f'{{{label}="{name}"}}'
+            count = gw_metrics.get(f"{histogram}_count{key}", 0.0)
+            if count:
+                out.append(f"{name} {gw_metrics[f'{histogram}_sum{key}'] / count * 1e3:.2f}")
+    return ", ".join(out)
 
 
 # -- 2. CPU per turn vs history length ----------------------------------------------------------------------
@@ -402,6 +416,9 @@ def report(args, sizes: Sizes, zero: dict, history: dict, gpu: dict, reasoning: 
               for src in ("reused", "computed")}
     lines += ["", f"pd-gateway reuse in this phase (from its /metrics): {_plans(zero['gateway_metrics'])}; prompt "
               f"tokens reused {tokens['reused']:.0f}, computed {tokens['computed']:.0f}.", "",
+              "pd-gateway's own phases, mean ms (its `pdgw_turn_seconds` and `pdgw_store_seconds`; intake = parse, "
+              "check, render; plan = the Redis claim; prefill = the P leg; decode_ttft = D's leg to its first "
+              f"event): {_phase_means(zero['gateway_metrics'])}.", "",
               "Throughput: on this 2-core machine the engines, Redis and the load generator share the cores with the "
               "proxy, so saturated turns/s is bounded by the engines for every set-up; the proxy's own capacity is "
               "turns per CPU-second of the proxy process (1000 / CPU ms per turn at saturation). "

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from litestar import Request, Response, get, post
@@ -63,9 +64,11 @@ ROUTES = [chat_completions, completions, models, health, ready, metrics, openapi
 
 async def _turn(request: Request, state: State, schema: type, intake: Callable[..., TurnRequest]) -> ASGIApp:
     """Authenticate, validate, render, run: the same for chat and completions."""
+    began = time.perf_counter()
     tenant = state.api_keys.tenant_for(request.headers.get("authorization"))
     body, parsed = parse(await request.body(), schema)
     turn = intake(body, parsed, _request_id(request))
+    state.metrics.turn_seconds.labels("intake").observe(time.perf_counter() - began)
     return _respond(await state.runner.run(turn, _session(request, body, state, tenant)))
 
 

@@ -43,6 +43,8 @@ def test_ten_turns_reuse_and_compute_only_the_new_tokens(pd):
         assert turn.computed <= turn.prompt_tokens - held + BLOCK
     assert pd.total("kv_reads_corrupt") == 0
     assert pd.metric("pdgw_turns_total", plan="reuse", reason="continuous") >= 9
+    for phase in ("intake", "plan", "prefill", "decode_ttft", "total"):     # where a turn's time went
+        assert pd.metric("pdgw_turn_seconds_count", phase=phase) >= 10, phase
 
 
 @pytest.mark.parametrize("edit", ["edited", "truncated", "regenerated"])

@@ -317,7 +317,7 @@ def test_dashboard_queries_only_existing_metrics():
     used = {m for p in DASHBOARD["panels"] for t in p["targets"] for m in re.findall(r"\bpdgw_\w+", t["expr"])}
     assert used and used <= exported, used - exported
     phases = {m for p in DASHBOARD["panels"] for t in p["targets"] for m in re.findall(r'phase=~"([^"]+)"', t["expr"])}
-    assert set("|".join(phases).split("|")) <= {"plan", "prefill", "decode_ttft", "total"}
+    assert set("|".join(phases).split("|")) <= {"intake", "plan", "prefill", "decode_ttft", "total"}
 
 
 def test_compose_mentions_no_setting_the_gateway_lacks():
