@@ -11,15 +11,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from litestar.response.base import ASGIResponse
 from litestar.types import Receive, Scope, Send
 
 _START_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
 
-class EventStream(ASGIResponse):
+class EventStream:
+    """An ASGI app: a route handler annotated `-> ASGIApp` returns it and Litestar calls it as it is."""
+
     def __init__(self, frames: AsyncIterator[bytes], headers: dict[str, str]) -> None:
-        # ASGIResponse's own __init__ prepares a body and headers this response does not use.
         self._frames = frames
         self._headers = [*_START_HEADERS, *((k.lower().encode("latin-1"), v.encode("latin-1"))
                                             for k, v in headers.items())]
