@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tests.conversation import TurnTaking
 from tests.e2e.stack import Stack
 
 
@@ -21,24 +22,13 @@ class Turn:
 
 
 @dataclass
-class Chat:
+class Chat(TurnTaking):
     stack: Stack
     session: str
     messages: list[dict] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
     max_tokens: int = 200
     hop: bool = False           # send each turn to the next gateway replica
-
-    def say(self, content: str, *, stream: bool = False) -> Turn:
-        self.messages.append({"role": "user", "content": content})
-        return self.send(stream=stream)
-
-    def send(self, *, stream: bool = False) -> Turn:
-        """Send the current messages as a turn; the answer joins the history."""
-        turn = self.ask(stream=stream)
-        self.messages.append({"role": "assistant", "content": turn.text})
-        self.turns.append(turn)
-        return turn
 
     def ask(self, *, stream: bool = False, replica: int | None = None) -> Turn:
         prefill = self.stack.prefill[0]

@@ -11,6 +11,7 @@ from typing import Any
 
 import openai
 
+from tests.conversation import TurnTaking
 from tests.servers import Server
 from tests.vllm.engines import SERVED_MODEL, Engine
 
@@ -41,7 +42,7 @@ def client(url: str) -> openai.OpenAI:
 
 
 @dataclass
-class Chat:
+class Chat(TurnTaking):
     gateway: Server
     prefill: Engine
     decode: Engine
@@ -52,17 +53,6 @@ class Chat:
         default_factory=lambda: [{"role": "system", "content": f"Conversation {uuid.uuid4().hex[:12]}."}])
     turns: list[Turn] = field(default_factory=list)
     max_tokens: int = 80
-
-    def say(self, content: str, *, stream: bool = False) -> Turn:
-        self.messages.append({"role": "user", "content": content})
-        return self.send(stream=stream)
-
-    def send(self, *, stream: bool = False) -> Turn:
-        """The current messages as a turn; its answer joins the history."""
-        turn = self.ask(stream=stream)
-        self.messages.append({"role": "assistant", "content": turn.text})
-        self.turns.append(turn)
-        return turn
 
     def ask(self, *, stream: bool = False) -> Turn:
         before = self.prefill.loaded_tokens(), self.decode.loaded_tokens()
