@@ -9,7 +9,7 @@ whose `finally` closes D's stream (which aborts the request on D) and abandons t
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from litestar.types import Receive, Scope, Send
 
@@ -19,7 +19,7 @@ _START_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cac
 class EventStream:
     """An ASGI app: a route handler annotated `-> ASGIApp` returns it and Litestar calls it as it is."""
 
-    def __init__(self, frames: AsyncIterator[bytes], headers: dict[str, str]) -> None:
+    def __init__(self, frames: AsyncGenerator[bytes, None], headers: dict[str, str]) -> None:
         self._frames = frames
         self._headers = [*_START_HEADERS, *((k.lower().encode("latin-1"), v.encode("latin-1"))
                                             for k, v in headers.items())]
@@ -40,8 +40,7 @@ class EventStream:
             relay.uncancel()               # the client left: nothing more to send, nobody to tell
         finally:
             listener.cancel()
-            if aclose := getattr(self._frames, "aclose", None):
-                await aclose()             # runs the relay's cleanup now, wherever it was suspended
+            await self._frames.aclose()    # runs the relay's cleanup now, wherever it was suspended
 
 
 async def _cancel_when_gone(receive: Receive, relay: asyncio.Task | None, gone: asyncio.Event) -> None:

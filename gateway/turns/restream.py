@@ -3,7 +3,7 @@ whole answer is fetched first and then sent as OpenAI-shaped SSE chunks."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import msgspec
@@ -34,7 +34,7 @@ def chunks(response: dict[str, Any], req: TurnRequest) -> list[dict[str, Any]]:
     return out
 
 
-async def restream(response: dict[str, Any], req: TurnRequest) -> AsyncIterator[bytes]:
+async def restream(response: dict[str, Any], req: TurnRequest) -> AsyncGenerator[bytes, None]:
     for chunk in chunks(response, req):
         yield sse.frame(_encode(chunk))
     yield sse.frame(sse.DONE)

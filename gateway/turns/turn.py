@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -50,7 +50,7 @@ T = TypeVar("T")
 class TurnReply:
     headers: dict[str, str]
     body: bytes | None = None                       # non-streaming JSON
-    stream: AsyncIterator[bytes] | None = None      # SSE frames
+    stream: AsyncGenerator[bytes, None] | None = None   # SSE frames
 
 
 @dataclass
@@ -226,7 +226,7 @@ class TurnRunner:
             idle_timeout_s=self.settings.decode_idle_timeout_s, headers=self._headers(turn, "decode")))
         return TurnReply(self._reply_headers(turn), stream=self._relay(turn, stream))
 
-    async def _relay(self, turn: _Turn, stream: EngineStream) -> AsyncIterator[bytes]:
+    async def _relay(self, turn: _Turn, stream: EngineStream) -> AsyncGenerator[bytes, None]:
         """Pass D's SSE events through as they come, minus engine internals; record before `[DONE]`."""
         capture, began, first, recorded = DecodeCapture(), time.perf_counter(), True, False
         turn.decode.outstanding_requests += 1
