@@ -13,25 +13,33 @@ from typing import Any
 import aiohttp
 from litestar import Litestar
 from litestar.datastructures import State
+from litestar.di import Provide
 
 from gateway.api.admin import ADMIN_ROUTES
 from gateway.api.auth import ApiKeys
 from gateway.api.errors import HANDLERS
-from gateway.api.routes import ROUTES
+from gateway.api.routes import ROUTES, Gateway
 from gateway.config import Settings
 from gateway.engines.client import EngineClient
 from gateway.engines.health import HealthChecker
 from gateway.engines.pool import EnginePool
 from gateway.engines.registry import EngineRegistry
 from gateway.startup import gather as startup_report
-from gateway.startup import log_report, open_store
-from gateway.store import ConversationStore
+from gateway.startup import log_report
+from gateway.store import ConversationStore, open_store
 from gateway.telemetry import Metrics
 from gateway.tracing import Tracing, start_tracing
+from gateway.turns.calls import EngineCalls
 from gateway.turns.conversations import ConversationAdmin
+from gateway.turns.fleet import EngineAdmin
 from gateway.turns.intake import Intake
+from gateway.turns.release import HandleReleaser
 from gateway.turns.render import Renderer
+from gateway.turns.state import ConversationState
 from gateway.turns.turn import TurnRunner
+
+# What handlers are given, by parameter name: resources the lifespan builds and keeps in the app's state.
+_PROVIDED = ("gateway", "settings", "metrics", "intake", "api_keys", "conversations", "fleet", "readiness")
 
 log = logging.getLogger("gateway")
 
@@ -46,7 +54,8 @@ def create_app(settings: Settings, tracing: Tracing | None = None,
     return Litestar(
         route_handlers=[*ROUTES, *ADMIN_ROUTES],
         exception_handlers=HANDLERS,
-        state=State({"api_keys": ApiKeys.from_settings(settings)}),
+        state=State({"api_keys": ApiKeys.from_settings(settings), "settings": settings}),
+        dependencies={name: Provide(_from_state(name), sync_to_thread=False) for name in _PROVIDED},
         middleware=tracing.middleware(),
         lifespan=[lambda app: _lifespan(app, settings, tracing, reload)],
         request_max_body_size=settings.max_body_bytes,
@@ -60,13 +69,13 @@ def create_app(settings: Settings, tracing: Tracing | None = None,
 async def _lifespan(app: Litestar, settings: Settings, tracing: Tracing,
                     reload: Callable[[], Settings] | None) -> AsyncIterator[None]:
     state = app.state
-    state.settings, state.metrics = settings, Metrics()
+    state.metrics = Metrics()
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         client = EngineClient(session)
         prefill, decode = EnginePool("prefill", settings.prefill), EnginePool("decode", settings.decode)
-        store = open_store(settings)
+        store = open_store(settings.redis_url, settings.conversation_ttl_s)
         health = HealthChecker(client, [prefill, decode], state.metrics, settings.health_interval_s)
         await health.check_all()
         renderer = Renderer(settings.tokenizer, settings.chat_template)
@@ -74,23 +83,42 @@ async def _lifespan(app: Litestar, settings: Settings, tracing: Tracing,
         log_report(report)
         models, block_size = report.models, report.block_size
         state.intake = Intake(renderer, models, settings.max_messages, settings.history_tokens)
-        state.runner = TurnRunner(client=client, prefill=prefill, decode=decode, store=store,
-                                  metrics=state.metrics, settings=settings, block_size=block_size,
-                                  served_model=models[0] if models else "", tracing=tracing, renderer=renderer)
-        state.admin = ConversationAdmin(store, state.runner)
+        runner = _runner(client, prefill, decode, store, state.metrics, settings, block_size,
+                         models[0] if models else "", tracing, renderer)
+        state.gateway = Gateway(state.api_keys, state.intake, state.metrics, runner, settings)
+        state.conversations = ConversationAdmin(store, runner.releaser)
         state.readiness = lambda: _readiness(store, prefill, decode)
-        state.registry = EngineRegistry(prefill, decode, health, state.metrics)
+        registry = EngineRegistry(prefill, decode, health, state.metrics)
+        state.fleet = EngineAdmin(prefill, decode, registry)
         checker = asyncio.create_task(health.run())
         gc.freeze()      # start-up's objects (transformers, jinja, ...) leave the collector's scans for good
-        reloading = _reload_on_sighup(state.registry, reload) if reload else contextlib.nullcontext()
+        reloading = _reload_on_sighup(registry, reload) if reload else contextlib.nullcontext()
         try:
             with reloading:
                 yield
         finally:
             checker.cancel()
-            await state.runner.drain()
+            await runner.drain()
             await store.close()
             tracing.shutdown()
+
+
+def _from_state(name: str) -> Callable[[State], Any]:
+    def provide(state: State) -> Any:
+        return state[name]
+    return provide
+
+
+def _runner(client: EngineClient, prefill: EnginePool, decode: EnginePool, store: ConversationStore,
+            metrics: Metrics, settings: Settings, block_size: int, model: str, tracing: Tracing,
+            renderer: Renderer) -> TurnRunner:
+    """The turn machinery: engine calls, the handle releaser and the conversation state, shared by every turn."""
+    calls = EngineCalls(metrics)
+    releaser = HandleReleaser(client, prefill, calls, metrics, model)
+    state = ConversationState(store=store, decode=decode, releaser=releaser, metrics=metrics, settings=settings,
+                              block_size=block_size, renderer=renderer)
+    return TurnRunner(client=client, prefill=prefill, decode=decode, state=state, calls=calls, releaser=releaser,
+                      metrics=metrics, settings=settings, tracing=tracing)
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from gateway.engines.client import EngineClient
 from gateway.engines.pool import Engine, EnginePool
 from gateway.engines.probe import PROBE_TIMEOUT_S, probe, tokenize_chat
 from gateway.errors import GatewayError
-from gateway.store import ConversationStore, MemoryConversationStore, RedisConversationStore
+from gateway.store import ConversationStore, open_store
 from gateway.turns.render import Renderer
 
 log = logging.getLogger("gateway.startup")
@@ -121,18 +121,12 @@ async def check(settings: Settings) -> StartupReport:
         renderer = None
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        store = open_store(settings)
+        store = open_store(settings.redis_url, settings.conversation_ttl_s)
         try:
             return await gather(EngineClient(session), EnginePool("prefill", settings.prefill),
                                 EnginePool("decode", settings.decode), renderer, store, settings)
         finally:
             await store.close()
-
-
-def open_store(settings: Settings) -> ConversationStore:
-    if settings.redis_url:
-        return RedisConversationStore.from_url(settings.redis_url, conversation_ttl_s=settings.conversation_ttl_s)
-    return MemoryConversationStore(conversation_ttl_s=settings.conversation_ttl_s)
 
 
 def log_report(report: StartupReport, logger: logging.Logger = log) -> None:

@@ -9,47 +9,44 @@ from urllib.parse import urlsplit
 
 import msgspec
 from litestar import Request, Response, delete, get, post
-from litestar.datastructures import State
 from litestar.params import FromPath, FromQuery, JSONBody
 
-from gateway.config import DEFAULT_TENANT
+from gateway.config import DEFAULT_TENANT, Settings
 from gateway.errors import AuthenticationError, InvalidRequestError, NotFoundError
-from gateway.store import ConversationKey
+from gateway.turns.conversations import ConversationAdmin, ConversationKey
+from gateway.turns.fleet import EngineAdmin
 
 
-def _authorize(request: Request, state: State) -> None:
-    key = state.settings.admin_key
+def _authorize(request: Request, settings: Settings) -> None:
+    key = settings.admin_key
     given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
     if not key or not hmac.compare_digest(given.encode(), key.encode()):
         raise AuthenticationError("a valid admin key is required")
 
 
 @get("/admin/conversations/{session_id:str}")
-async def get_conversation(session_id: FromPath[str], request: Request, state: State,
-                           tenant: FromQuery[str] = DEFAULT_TENANT) -> dict[str, Any]:
-    _authorize(request, state)
-    found = await state.admin.describe(ConversationKey(tenant, session_id))
+async def get_conversation(session_id: FromPath[str], request: Request, settings: Settings,
+                           conversations: ConversationAdmin, tenant: FromQuery[str] = DEFAULT_TENANT) -> dict[str, Any]:
+    _authorize(request, settings)
+    found = await conversations.describe(ConversationKey(tenant, session_id))
     if found is None:
         raise NotFoundError("no such conversation")
     return found
 
 
 @delete("/admin/conversations/{session_id:str}", status_code=200)
-async def delete_conversation(session_id: FromPath[str], request: Request, state: State,
-                              tenant: FromQuery[str] = DEFAULT_TENANT) -> Response:
-    _authorize(request, state)
-    if not await state.admin.delete(ConversationKey(tenant, session_id)):
+async def delete_conversation(session_id: FromPath[str], request: Request, settings: Settings,
+                              conversations: ConversationAdmin, tenant: FromQuery[str] = DEFAULT_TENANT) -> Response:
+    _authorize(request, settings)
+    if not await conversations.delete(ConversationKey(tenant, session_id)):
         raise NotFoundError("no such conversation")
     return Response({"deleted": session_id})
 
 
 @get("/admin/engines")
-async def engines(request: Request, state: State) -> dict[str, Any]:
-    _authorize(request, state)
-    return {"engines": [
-        {"url": e.url, "role": e.role, "healthy": e.healthy, "outstanding_requests": e.outstanding_requests,
-         "outstanding_prompt_tokens": e.outstanding_tokens, **e.info}
-        for pool in (state.runner.prefill_pool, state.runner.decode_pool) for e in pool.engines.values()]}
+async def engines(request: Request, settings: Settings, fleet: EngineAdmin) -> dict[str, Any]:
+    _authorize(request, settings)
+    return {"engines": fleet.describe()}
 
 
 class EngineChange(msgspec.Struct):
@@ -58,19 +55,19 @@ class EngineChange(msgspec.Struct):
 
 
 @post("/admin/engines", status_code=201)
-async def add_engine(data: JSONBody[EngineChange], request: Request, state: State) -> dict[str, Any]:
-    _authorize(request, state)
+async def add_engine(data: JSONBody[EngineChange], request: Request, settings: Settings,
+                     fleet: EngineAdmin) -> dict[str, Any]:
+    _authorize(request, settings)
     if urlsplit(data.url).scheme not in ("http", "https"):
         raise InvalidRequestError("url must be an http(s) URL", param="url")
-    engine = await state.registry.add(data.role, data.url)
-    return {"url": engine.url, "role": engine.role, "healthy": engine.healthy}
+    return await fleet.add(data.role, data.url)
 
 
 @delete("/admin/engines", status_code=200)
 async def remove_engine(role: FromQuery[Literal["prefill", "decode"]], url: FromQuery[str], request: Request,
-                        state: State) -> dict[str, Any]:
-    _authorize(request, state)
-    if not state.registry.remove(role, url):
+                        settings: Settings, fleet: EngineAdmin) -> dict[str, Any]:
+    _authorize(request, settings)
+    if not fleet.remove(role, url):
         raise NotFoundError("no such engine")
     return {"removed": url}
 

@@ -6,7 +6,8 @@ Foreign errors are translated here, at the boundary, into the gateway's error tr
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import aiohttp
@@ -61,11 +62,6 @@ class EngineStream:
                 return events
         return None
 
-    async def next_event(self) -> bytes | None:
-        if not self._pending:
-            self._pending = await self.next_events() or []
-        return self._pending.pop(0) if self._pending else None
-
     def close(self) -> None:
         self._response.close()
 
@@ -77,24 +73,18 @@ class EngineClient:
     async def post_json(self, base_url: str, path: str, body: dict[str, Any], *, timeout_s: float,
                         headers: dict[str, str] | None = None,
                         decode: Callable[[bytes], dict[str, Any]] = _decode) -> dict[str, Any]:
-        try:
+        with _translated("engine did not answer in time"):
             async with asyncio.timeout(timeout_s):
                 async with self._session.post(base_url + path, data=_encode(body),
                                               headers={**JSON_HEADERS, **(headers or {})}) as resp:
                     payload = await resp.read()
                     _raise_for_status(resp.status, payload)
                     return decode(payload)
-        except TimeoutError:
-            raise EngineTimeoutError("engine did not answer in time") from None
-        except msgspec.DecodeError as exc:
-            raise EngineFailedError("engine answered with malformed JSON") from exc
-        except aiohttp.ClientError as exc:
-            raise _connection_error(exc) from exc
 
     async def open_stream(self, base_url: str, path: str, body: dict[str, Any], *, first_byte_timeout_s: float,
                           idle_timeout_s: float, headers: dict[str, str] | None = None) -> EngineStream:
         """POST a streaming request and wait for its response headers (so HTTP errors surface as errors)."""
-        try:
+        with _translated("decode engine did not start streaming in time"):
             async with asyncio.timeout(first_byte_timeout_s):
                 resp = await self._session.post(base_url + path, data=_encode(body),
                                                 headers={**JSON_HEADERS, **(headers or {})})
@@ -102,23 +92,28 @@ class EngineClient:
                     payload = await resp.read()
                     resp.close()
                     _raise_for_status(resp.status, payload)
-        except TimeoutError:
-            raise EngineTimeoutError("decode engine did not start streaming in time") from None
-        except aiohttp.ClientError as exc:
-            raise _connection_error(exc) from exc
         return EngineStream(resp, idle_timeout_s)
 
     async def get(self, base_url: str, path: str, *, timeout_s: float) -> bytes:
-        try:
+        with _translated("engine did not answer in time"):
             async with asyncio.timeout(timeout_s):
                 async with self._session.get(base_url + path) as resp:
                     payload = await resp.read()
                     _raise_for_status(resp.status, payload)
                     return payload
-        except TimeoutError:
-            raise EngineTimeoutError("engine did not answer in time") from None
-        except aiohttp.ClientError as exc:
-            raise _connection_error(exc) from exc
+
+
+@contextlib.contextmanager
+def _translated(timeout_message: str) -> Iterator[None]:
+    """Foreign errors into the gateway's tree, at the boundary: a deadline, garbage, a broken connection."""
+    try:
+        yield
+    except TimeoutError:
+        raise EngineTimeoutError(timeout_message) from None
+    except msgspec.DecodeError as exc:
+        raise EngineFailedError("engine answered with malformed JSON") from exc
+    except aiohttp.ClientError as exc:
+        raise _connection_error(exc) from exc
 
 
 def _raise_for_status(status: int, payload: bytes) -> None:

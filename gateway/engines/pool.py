@@ -1,29 +1,20 @@
-"""Engine pools and routing, as small filter → score → pick steps.
-
-Filter: healthy (active checks) and not ejected (circuit breaker on consecutive failures). Score: outstanding
-prompt tokens for P, outstanding requests for D, plus a decaying penalty for a freshly re-admitted engine so
-it takes traffic gradually. Pick: the lowest score; ties go round-robin. A conversation's D (the one holding
-its KV) is kept while it passes the filter and stays under the load bound.
-"""
+"""Engine pools: each engine's health, load and circuit breaker. Which engine a turn gets is routing.py's."""
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
-from gateway.errors import EngineUnavailableError
+from gateway.engines import routing
 
 Role = Literal["prefill", "decode"]
 
 FAILURES_TO_EJECT = 3
 EJECT_COOLDOWN_S = 5.0
-RAMP_S = 10.0
-RAMP_REQUESTS = 8            # a re-admitted engine starts as if this busy, decaying to 0 over RAMP_S
-RAMP_TOKENS = 8192
+RAMP_S = 10.0                # a re-admitted engine takes traffic gradually over this long (routing.RAMP_*)
 
 
 @dataclass
@@ -96,7 +87,7 @@ class EnginePool:
     def __init__(self, role: Role, urls: list[str]) -> None:
         self.role = role
         self.engines: dict[str, Engine] = {}
-        self._rotation = itertools.count()
+        self._picker = routing.Picker(role)
         for url in urls:
             self.add(url)
 
@@ -114,39 +105,17 @@ class EnginePool:
     def healthy(self) -> list[Engine]:
         return [e for e in self.engines.values() if e.healthy]
 
+    def pick(self, profile: routing.Profile, want: routing.Want) -> Engine:
+        return self._picker.pick(list(self.engines.values()), profile, want)
+
     def pick_prefill(self, affinity: str | None = None, slack_tokens: int = 0,
                      exclude: frozenset[str] = frozenset()) -> Engine:
-        """Fewest outstanding prompt tokens. `affinity`: the P that prefilled the conversation's last turn (its
-        prefix cache still holds that prompt, so D's handle only has to supply the rest) is kept while its
-        load is within `slack_tokens` of the least loaded: a hot conversation cannot pin an overloaded P."""
-        now = time.monotonic()
-        candidates = self._candidates(now, exclude)
-
-        def load(e: Engine) -> float:
-            return e.outstanding_tokens + RAMP_TOKENS * e.ramp(now)
-
-        best = min(candidates, key=load)
-        preferred = self.get(affinity)
-        if preferred is not None and preferred in candidates and load(preferred) <= load(best) + slack_tokens:
-            return preferred
-        return best
+        """Fewest queued prompt tokens; the previous P (`affinity`) while within `slack_tokens` of that."""
+        want = routing.Want(time.monotonic(), exclude, affinity, slack_tokens=slack_tokens)
+        return self._picker.pick(list(self.engines.values()), routing.PREFILL, want)
 
     def pick_decode(self, affinity: str | None = None, load_bound: int = 64,
                     exclude: frozenset[str] = frozenset()) -> Engine:
-        now = time.monotonic()
-        candidates = self._candidates(now, exclude)
-        preferred = self.get(affinity)
-        if preferred in candidates and preferred.outstanding_requests < load_bound:
-            return preferred
-        return min(candidates, key=lambda e: e.outstanding_requests + RAMP_REQUESTS * e.ramp(now))
-
-    def _candidates(self, now: float, exclude: frozenset[str]) -> list[Engine]:
-        """Engines passing the filter, rotated on every call so that ties in load are broken round-robin.
-        When every healthy engine is ejected (overload makes all of them slow at once), ejection is
-        ignored: a slow engine serves better than none ("panic mode")."""
-        healthy = [e for e in self.engines.values() if e.url not in exclude and e.healthy]
-        candidates = [e for e in healthy if e.breaker.allows(now)] or healthy
-        if not candidates:
-            raise EngineUnavailableError(f"no available {self.role} engine")
-        start = next(self._rotation) % len(candidates)
-        return candidates[start:] + candidates[:start]
+        """The holder of the conversation's KV (`affinity`) while under `load_bound`; else the least busy."""
+        want = routing.Want(time.monotonic(), exclude, affinity, load_bound=load_bound)
+        return self._picker.pick(list(self.engines.values()), routing.DECODE, want)

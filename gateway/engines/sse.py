@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 DONE = b"[DONE]"
 
 
@@ -28,13 +26,6 @@ class EventSplitter:
             data = [line[5:].lstrip(b" ") for line in raw.split(b"\n") if line.startswith(b"data:")]
             if data:
                 events.append(b"\n".join(data))
-
-
-async def events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    splitter = EventSplitter()
-    async for chunk in chunks:
-        for event in splitter.feed(chunk):
-            yield event
 
 
 def frame(payload: bytes) -> bytes:

@@ -11,6 +11,7 @@ from .base import (
     StoreUnavailableError,
     TurnStart,
 )
+from .factory import open_store
 from .memory_store import MemoryConversationStore
 from .redis_store import RedisConversationStore
 
@@ -26,4 +27,5 @@ __all__ = [
     "RedisConversationStore",
     "StoreUnavailableError",
     "TurnStart",
+    "open_store",
 ]

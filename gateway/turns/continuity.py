@@ -2,7 +2,7 @@
 
 D's held sequence S (prompt + output ids) is kept as a fingerprint: a 128-bit chained hash per full block
 (to find the longest common prefix at block granularity) and a 128-bit hash of exactly S[:R], where
-R = the handle's `remote_num_tokens`. vLLM never checks tokens, only counts, so this is the only guard.
+R = how many tokens the handle covers. vLLM never checks tokens, only counts, so this is the only guard.
 
 No I/O; one process-local memo (`HeldPrefixes`): the bytes of S[:R] and the hash state after them, for the
 sequences this process fingerprinted. A continuous turn then compares bytes instead of hashing its history,

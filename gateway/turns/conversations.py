@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from gateway.engines import kv
 from gateway.store import ConversationKey, ConversationStore
-from gateway.turns.turn import TurnRunner
+from gateway.turns.release import HandleReleaser
+
+__all__ = ["ConversationAdmin", "ConversationKey"]     # the API names conversations through this module
 
 
 class ConversationAdmin:
-    def __init__(self, store: ConversationStore, runner: TurnRunner) -> None:
-        self.store, self.runner = store, runner
+    def __init__(self, store: ConversationStore, releaser: HandleReleaser) -> None:
+        self.store, self.releaser = store, releaser
 
     async def describe(self, key: ConversationKey) -> dict[str, Any] | None:
         found = await self.store.get(key)
@@ -24,7 +27,7 @@ class ConversationAdmin:
 
     async def delete(self, key: ConversationKey) -> bool:
         found = await self.store.get(key)
-        handle = await self.store.delete(key)
+        handle = kv.from_store(await self.store.delete(key))
         if handle:
-            self.runner.release(handle, "deleted")
+            self.releaser.release(handle, "deleted")
         return found is not None

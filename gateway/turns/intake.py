@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.errors import InvalidRequestError, ModelNotFoundError
-from gateway.turns.legs import Endpoint, TurnRequest
+from gateway.turns.request import Endpoint, TurnRequest
 from gateway.turns.render import Renderer
 
 # Never forwarded: a client handle could point an engine at any host or another conversation's blocks.

@@ -1,12 +1,17 @@
 """The turn's plan: reuse (D's whole handle), partial (a truncated handle) or full (no handle), with a reason.
-Pure decisions; the only inputs are what the store returned and what the prompt rendered to."""
+
+Pure decisions, in one place: `first_plan` from what the store returned and what the prompt rendered to, and
+`replan` for every later change: the legs only report what happened (`Setback`), this module decides what the
+turn does next. No I/O.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Literal
 
+from gateway.engines.kv import Handle
 from gateway.turns.continuity import Fingerprint, check
 
 
@@ -36,53 +41,90 @@ class Reason(StrEnum):
     HANDLE_SHAPE = "handle_shape"
 
 
-# What P gets on a turn without a handle: "prefill this and hold it for a remote decode".
-FRESH_PREFILL_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-    "remote_block_ids": None, "remote_host": None, "remote_port": None,
-}
-
-
 @dataclass(frozen=True)
 class Plan:
     kind: PlanKind
     reason: Reason
     reused_tokens: int = 0
-    handle: dict[str, Any] | None = None        # what P reads D's KV through (None: a full prefill)
-    release: dict[str, Any] | None = None       # a claimed handle this turn will not use: free D's blocks
-
-    @property
-    def prefill_params(self) -> dict[str, Any]:
-        return dict(self.handle) if self.handle is not None else dict(FRESH_PREFILL_PARAMS)
+    handle: Handle | None = None        # what P reads D's KV through (None: a full prefill)
+    release: Handle | None = None       # a claimed handle this turn will not use: free D's blocks
 
 
-def full(reason: Reason, release: dict[str, Any] | None = None) -> Plan:
+def full(reason: Reason, release: Handle | None = None) -> Plan:
     return Plan(PlanKind.FULL, reason, release=release)
 
 
-def plan_with_handle(prompt: list[int], held: Fingerprint, handle: dict[str, Any]) -> Plan:
+# -- the first plan -----------------------------------------------------------------------------------------
+def plan_with_handle(prompt: list[int], held: Fingerprint, handle: Handle) -> Plan:
     """Verify continuity against D's held tokens; cut the handle for a partial reuse."""
-    groups = handle.get("remote_block_ids")
-    shaped = isinstance(groups, list) and groups and all(isinstance(g, list) for g in groups)
-    if not shaped or handle.get("remote_num_tokens") != held.held_tokens:
+    if handle.block_groups is None or handle.num_tokens != held.held_tokens:
         return full(Reason.HANDLE_SHAPE, release=handle)
-    # Cutting a handle is only exact for one KV-cache group of full attention (PROTOCOL.md §4).
-    verdict = check(prompt, held, partial_allowed=len(groups) == 1)
+    verdict = check(prompt, held, partial_allowed=handle.single_group)
     if verdict.kind == "reuse":
         return Plan(PlanKind.REUSE, Reason.CONTINUOUS, verdict.reused_tokens, handle)
     if verdict.kind == "partial":
         return Plan(PlanKind.PARTIAL, Reason(verdict.reason), verdict.reused_tokens,
-                    truncate(handle, verdict.reused_tokens, held.block_size))
+                    handle.cut(verdict.reused_tokens, held.block_size))
     return full(Reason(verdict.reason), release=handle)
 
 
-def truncate(handle: dict[str, Any], tokens: int, block_size: int) -> dict[str, Any]:
-    """A handle naming only the first `tokens` (a whole number of blocks) of D's KV."""
-    blocks = tokens // block_size
-    return {**handle, "remote_num_tokens": tokens,
-            "remote_block_ids": [group[:blocks] for group in handle["remote_block_ids"]]}
+@dataclass(frozen=True)
+class Claim:
+    """What the planner needs to know of the conversation's state (None fields: nothing to go on)."""
+    first_turn: bool
+    handle: Handle | None                # claimed for this turn alone
+    missing: Reason | None               # why there is no handle, when there is none
+    held: Fingerprint | None
+    same_model: bool
+    holder_usable: bool                  # the D holding the KV is known and healthy
 
 
-def release_params(handle: dict[str, Any]) -> dict[str, Any]:
-    """A zero-token read of a handle: P only notifies D, which frees the pinned blocks (PROTOCOL.md §4)."""
-    return {**handle, "remote_num_tokens": 0}
+def first_plan(prompt: list[int], claim: Claim) -> Plan:
+    if claim.first_turn:
+        return full(Reason.FIRST_TURN)
+    if claim.handle is None or claim.held is None:
+        return full(claim.missing or Reason.NO_HANDLE)
+    if not claim.holder_usable:
+        return full(Reason.DECODE_UNAVAILABLE)     # nobody left to read from or to release through
+    if not claim.same_model:
+        return full(Reason.MODEL_CHANGED, release=claim.handle)
+    return plan_with_handle(prompt, claim.held, claim.handle)
+
+
+# -- every later change -------------------------------------------------------------------------------------
+Leg = Literal["prefill", "decode"]
+
+
+class Setback(StrEnum):
+    """What a leg reports; the planner decides what it means."""
+    REFUSED = "refused"      # the connection was refused: the engine never saw the request
+    TIMEOUT = "timeout"      # the engine missed its deadline
+    FAILED = "failed"        # the engine answered with an error, garbage, or went away
+    PARITY = "parity"        # P answered, but ran on other tokens than the ones verified
+
+
+@dataclass(frozen=True)
+class Replan:
+    plan: Plan
+    next_leg: Leg            # the leg to run next
+    blame: bool              # the engine failed: exclude it for the rest of the turn
+    costs_retry: bool        # spends one of the turn's retries (a parity redo does not: no engine failed)
+
+
+def replan(plan: Plan, leg: Leg, setback: Setback) -> Replan:
+    """After a leg's setback. Only a refused connection keeps a handle (no engine saw it); anything else may
+    have consumed it, so P is redone without one."""
+    if setback is Setback.PARITY:
+        # P's read of D's KV went with other tokens: its answer is garbage. Redo P without the handle.
+        return Replan(full(Reason.PARITY_VIOLATION), "prefill", blame=False, costs_retry=False)
+    if setback is Setback.REFUSED:
+        return Replan(plan, leg, blame=True, costs_retry=True)
+    if leg == "decode":
+        # D may have read P's blocks: they are spent. Prefill afresh.
+        return Replan(full(Reason.DECODE_FAILED), "prefill", blame=True, costs_retry=True)
+    with_handle = plan.handle is not None
+    after = full(Reason.PREFILL_FAILED) if with_handle else plan
+    # vLLM can park a P read of D's blocks it declined (docs/protocol.md §1): a P that timed out on a handle is
+    # not at fault; one that timed out without a handle is.
+    blame = not (setback is Setback.TIMEOUT and with_handle)
+    return Replan(after, "prefill", blame=blame, costs_retry=True)

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 from gateway.engines import sse
-from gateway.turns.legs import TurnRequest
+from gateway.turns.request import TurnRequest
 
 _encode = msgspec.json.Encoder().encode
 

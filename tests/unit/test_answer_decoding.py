@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from gateway.turns.legs import TurnRequest
+from gateway.turns.request import TurnRequest
 from gateway.turns.pieces import TokenIds
 
 

@@ -9,13 +9,23 @@ ROOT = Path(__file__).resolve().parents[2] / "gateway"
 
 # package → gateway packages it may import (besides itself and the shared leaf modules)
 ALLOWED = {
-    "api": {"turns", "store"},
+    "api": {"turns"},
     "turns": {"engines", "store"},
     "engines": set(),
     "store": set(),
     "sim": set(),
 }
 LEAVES = {"errors", "config", "telemetry", "tracing"}
+# top-level modules → gateway packages and modules they may import (besides the leaves)
+TOP_LEVEL = {
+    "__main__": {"cli"},
+    "cli": {"app", "serving", "startup", "demo", "store", "sim", "api"},   # commands: each imports its own
+    "app": {"api", "turns", "engines", "store", "startup"},                # wires everything but the simulator
+    "startup": {"engines", "store", "turns"},
+    "serving": set(),
+    "processes": set(),
+    "demo": {"processes"},
+}
 FOREIGN_BANS = {  # third-party modules a package must not touch
     "api": {"redis", "aiohttp", "httpx", "transformers"},
     "turns": {"litestar", "redis"},
@@ -52,6 +62,19 @@ def test_imports_follow_the_arrows(package, path):
             else:
                 assert target in ALLOWED[package] | LEAVES | {package}, f"{path.name} imports gateway.{target}"
         assert top not in FOREIGN_BANS.get(package, set()), f"{path.name} imports {top}"
+
+
+def test_every_top_level_module_is_covered():
+    assert {p.stem for p in ROOT.glob("*.py")} - {"__init__"} == set(TOP_LEVEL) | LEAVES
+
+
+@pytest.mark.parametrize("module", sorted(TOP_LEVEL))
+def test_top_level_modules_follow_the_arrows(module):
+    for name in imports(ROOT / f"{module}.py"):
+        top, _, rest = name.partition(".")
+        if top == "gateway" and rest:
+            target = rest.split(".")[0]
+            assert target in TOP_LEVEL[module] | LEAVES, f"{module}.py imports gateway.{target}"
 
 
 def test_transformers_only_in_render_and_sim():

@@ -1,29 +1,36 @@
+"""The planner: the first plan from the claim, and every later change through `replan`, one test per
+transition."""
+
+import pytest
+
+from gateway.engines import kv
+from gateway.engines.kv import Handle
 from gateway.turns.continuity import Fingerprint
-from gateway.turns.plan import FRESH_PREFILL_PARAMS, PlanKind, Reason, plan_with_handle, release_params, truncate
+from gateway.turns.plan import Claim, PlanKind, Reason, Setback, first_plan, full, plan_with_handle, replan
 
 BS = 4
 S = list(range(50, 70))
 
 
-def handle(r: int, groups: int = 1) -> dict:
+def handle(r: int, groups: int = 1) -> Handle:
     blocks = -(-r // BS)
-    return {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": "d0",
-            "remote_block_ids": [list(range(10, 10 + blocks)) for _ in range(groups)],
-            "remote_request_id": "chatcmpl-x-abcd1234", "remote_host": "127.0.0.1", "remote_port": 9,
-            "remote_num_tokens": r, "remote_blocks_expiry_time": 123.0, "tp_size": 1}
+    return Handle({"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": "d0",
+                   "remote_block_ids": [list(range(10, 10 + blocks)) for _ in range(groups)],
+                   "remote_request_id": "chatcmpl-x-abcd1234", "remote_host": "127.0.0.1", "remote_port": 9,
+                   "remote_num_tokens": r, "remote_blocks_expiry_time": 123.0, "tp_size": 1})
 
 
 def test_reuse_passes_the_handle_verbatim():
     h = handle(19)
     plan = plan_with_handle(S + [1], Fingerprint.of(S, 19, BS), h)
     assert (plan.kind, plan.reason, plan.reused_tokens) == (PlanKind.REUSE, Reason.CONTINUOUS, 19)
-    assert plan.prefill_params == h and plan.release is None
+    assert kv.leg_params(plan.handle) == h.wire and plan.release is None
 
 
 def test_partial_cuts_blocks_and_count():
     plan = plan_with_handle(S[:10] + [0] * 10, Fingerprint.of(S, 19, BS), handle(19))
     assert plan.kind == PlanKind.PARTIAL and plan.reason == Reason.PREFIX_DIVERGED
-    assert plan.handle["remote_num_tokens"] == 8 and plan.handle["remote_block_ids"] == [[10, 11]]
+    assert plan.handle.num_tokens == 8 and plan.handle.block_groups == [[10, 11]]
     assert plan.release is None           # P's read notifies D, which frees the whole request
 
 
@@ -36,7 +43,7 @@ def test_full_releases_the_claimed_handle():
     h = handle(19)
     plan = plan_with_handle([0] * 30, Fingerprint.of(S, 19, BS), h)
     assert plan.kind == PlanKind.FULL and plan.release is h
-    assert plan.prefill_params == FRESH_PREFILL_PARAMS
+    assert plan.handle is None and kv.leg_params(plan.handle) == kv.fresh_prefill()
 
 
 def test_handle_disagreeing_with_fingerprint_is_not_used():
@@ -46,6 +53,55 @@ def test_handle_disagreeing_with_fingerprint_is_not_used():
 
 def test_truncate_and_release_leave_the_original_alone():
     h = handle(19)
-    cut = truncate(h, 8, BS)
-    assert h["remote_num_tokens"] == 19 and cut["remote_block_ids"] == [[10, 11]]
-    assert release_params(h)["remote_num_tokens"] == 0 and h["remote_num_tokens"] == 19
+    cut = h.cut(8, BS)
+    assert h.num_tokens == 19 and cut.block_groups == [[10, 11]]
+    assert h.released().num_tokens == 0 and h.num_tokens == 19
+
+
+# -- the first plan from the claim ------------------------------------------------------------------------
+def claim(**changes) -> Claim:
+    base = dict(first_turn=False, handle=handle(19), missing=None, held=Fingerprint.of(S, 19, BS),
+                same_model=True, holder_usable=True)
+    return Claim(**{**base, **changes})
+
+
+@pytest.mark.parametrize(("changes", "kind", "reason", "released"), [
+    ({}, PlanKind.REUSE, Reason.CONTINUOUS, False),
+    ({"first_turn": True}, PlanKind.FULL, Reason.FIRST_TURN, False),
+    ({"handle": None, "missing": Reason.HANDLE_EXPIRED}, PlanKind.FULL, Reason.HANDLE_EXPIRED, False),
+    ({"handle": None, "missing": None}, PlanKind.FULL, Reason.NO_HANDLE, False),
+    ({"holder_usable": False}, PlanKind.FULL, Reason.DECODE_UNAVAILABLE, False),
+    ({"same_model": False}, PlanKind.FULL, Reason.MODEL_CHANGED, True),
+])
+def test_first_plan(changes, kind, reason, released):
+    plan = first_plan(S + [1], claim(**changes))
+    assert (plan.kind, plan.reason, plan.release is not None) == (kind, reason, released)
+
+
+# -- replan: one test per transition ----------------------------------------------------------------------
+REUSE = plan_with_handle(S + [1], Fingerprint.of(S, 19, BS), handle(19))
+FULL = full(Reason.FIRST_TURN)
+
+
+@pytest.mark.parametrize(("plan", "leg", "setback", "reason", "next_leg", "blame", "costs_retry"), [
+    # P refused the connection: it never saw the handle, so the same plan goes to another P
+    (REUSE, "prefill", Setback.REFUSED, Reason.CONTINUOUS, "prefill", True, True),
+    # P timed out on a handle: vLLM parks declined reads, P is not at fault; the handle is spent
+    (REUSE, "prefill", Setback.TIMEOUT, Reason.PREFILL_FAILED, "prefill", False, True),
+    (FULL, "prefill", Setback.TIMEOUT, Reason.FIRST_TURN, "prefill", True, True),
+    # P failed: it may have consumed D's handle, so P is redone without one
+    (REUSE, "prefill", Setback.FAILED, Reason.PREFILL_FAILED, "prefill", True, True),
+    (FULL, "prefill", Setback.FAILED, Reason.FIRST_TURN, "prefill", True, True),
+    # P ran on other tokens: redo P without the handle, no engine to blame, no retry spent
+    (REUSE, "prefill", Setback.PARITY, Reason.PARITY_VIOLATION, "prefill", False, False),
+    # D refused: P's handle is still good, another D
+    (REUSE, "decode", Setback.REFUSED, Reason.CONTINUOUS, "decode", True, True),
+    # D failed or timed out: it may have read P's blocks; prefill afresh
+    (REUSE, "decode", Setback.FAILED, Reason.DECODE_FAILED, "prefill", True, True),
+    (FULL, "decode", Setback.TIMEOUT, Reason.DECODE_FAILED, "prefill", True, True),
+])
+def test_replan(plan, leg, setback, reason, next_leg, blame, costs_retry):
+    step = replan(plan, leg, setback)
+    assert (step.plan.reason, step.next_leg, step.blame, step.costs_retry) == (reason, next_leg, blame, costs_retry)
+    if step.plan.reason != plan.reason:
+        assert step.plan.kind == PlanKind.FULL and step.plan.handle is None

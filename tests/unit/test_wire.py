@@ -6,7 +6,10 @@ import pytest
 from gateway.api.schemas import ChatRequest, CompletionRequest, parse
 from gateway.engines.sse import EventSplitter
 from gateway.errors import InvalidRequestError
-from gateway.turns.legs import DecodeCapture, TurnRequest, decode_body, prefill_body
+from gateway.engines.kv import Handle
+from gateway.turns.capture import DecodeCapture
+from gateway.turns.legs import decode_body, prefill_body
+from gateway.turns.request import TurnRequest
 
 
 def test_sse_splitter_handles_arbitrary_cuts():
@@ -55,7 +58,7 @@ def _turn(**kw) -> TurnRequest:
 
 
 def test_prefill_body_is_one_token_non_streamed_with_pinned_ids():
-    body = prefill_body(_turn(), {"do_remote_decode": True})
+    body = prefill_body(_turn(), Handle({"do_remote_decode": True}))
     assert body["max_tokens"] == 1 and body["stream"] is False
     assert "stream_options" not in body and "min_tokens" not in body
     assert _json(body["kv_transfer_params"]) == {"do_remote_decode": True, "prompt_token_ids": [1, 2, 3]}
@@ -63,19 +66,19 @@ def test_prefill_body_is_one_token_non_streamed_with_pinned_ids():
 
 
 def test_prefill_without_a_handle_asks_for_no_echo_of_the_prompt():
-    body = prefill_body(_turn(), {"do_remote_decode": True}, confirm_ids=False)
+    body = prefill_body(_turn(), Handle({"do_remote_decode": True}), confirm_ids=False)
     assert body["return_token_ids"] is False
 
 
 def test_decode_body_keeps_the_clients_request():
-    body = decode_body(_turn(), {"do_remote_prefill": True})
+    body = decode_body(_turn(), Handle({"do_remote_prefill": True}))
     assert body["max_tokens"] == 50 and body["stream"] is True and body["min_tokens"] == 3
     assert body["return_token_ids"] is True
     assert body["kv_transfer_params"]["do_remote_prefill"] is True
 
 
 def test_completions_send_token_ids_as_prompt():
-    body = prefill_body(_turn(endpoint="/v1/completions", body={"prompt": "abc"}), {})
+    body = prefill_body(_turn(endpoint="/v1/completions", body={"prompt": "abc"}), None)
     assert _json(body)["prompt"] == [1, 2, 3] and "prompt_token_ids" not in body["kv_transfer_params"]
 
 
@@ -86,7 +89,7 @@ def test_capture_strips_engine_internals_unless_asked():
     view = capture.take(chunk, want_token_ids=False)
     assert "kv_transfer_params" not in view and "prompt_token_ids" not in view
     assert "token_ids" not in view["choices"][0]
-    assert capture.handle == {"remote_host": "10.0.0.1"} and capture.output_ids == [7] and capture.finished
+    assert capture.handle.wire == {"remote_host": "10.0.0.1"} and capture.output_ids == [7] and capture.finished
 
 
 def test_token_id_prompts_outside_the_vocabulary_are_400():

@@ -1,0 +1,113 @@
+"""vLLM's KV-handle protocol (NIXL connector, pull mode, bidirectional transfer): docs/protocol.md §2-§4.
+
+The only module of the gateway that knows the keys of `kv_transfer_params`. A `Handle` wraps what an engine
+returned verbatim, because every field must pass through untouched (vLLM adds fields between versions, e.g.
+`remote_prefill_cached_tokens`); it reads the few fields the gateway reasons about, and makes the variants the
+legs send: the whole handle, one cut to whole blocks, a zero-token release. Another engine protocol (SGLang's
+bootstrap, a vLLM field change) is another module with the same functions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+WIRE_KEY = "kv_transfer_params"     # the request and answer field that carries a handle
+_PINNED_IDS = "prompt_token_ids"    # vLLM 0.32+: the prompt ids the engine uses instead of rendering (§5)
+
+
+class Handle:
+    """An engine's handle to KV it holds for a later reader. Immutable: variants are new handles."""
+
+    __slots__ = ("wire",)
+
+    def __init__(self, wire: dict[str, Any]) -> None:
+        self.wire = wire
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Handle) and other.wire == self.wire
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Handle(num_tokens={self.num_tokens}, engine={self.wire.get('remote_engine_id')!r})"
+
+    @property
+    def num_tokens(self) -> int | None:
+        """How many tokens' KV the holder keeps: P's prompt, or D's prompt + output - 1."""
+        value = self.wire.get("remote_num_tokens")
+        return value if isinstance(value, int) else None
+
+    @property
+    def block_groups(self) -> list[list[int]] | None:
+        """The holder's block ids, one list per KV-cache group; None when malformed (old flat lists too)."""
+        groups = self.wire.get("remote_block_ids")
+        if isinstance(groups, list) and groups and all(isinstance(g, list) for g in groups):
+            return groups
+        return None
+
+    @property
+    def single_group(self) -> bool:
+        """Cutting a handle is exact only for one KV-cache group of full attention (§4)."""
+        groups = self.block_groups
+        return groups is not None and len(groups) == 1
+
+    def cut(self, tokens: int, block_size: int) -> Handle:
+        """The same KV, naming only its first `tokens` (a whole number of blocks)."""
+        blocks = tokens // block_size
+        return Handle({**self.wire, "remote_num_tokens": tokens,
+                       "remote_block_ids": [group[:blocks] for group in self.wire["remote_block_ids"]]})
+
+    def released(self) -> Handle:
+        """A zero-token read: P only notifies the holder, which frees the pinned blocks (§4)."""
+        return Handle({**self.wire, "remote_num_tokens": 0})
+
+
+def fresh_prefill() -> dict[str, Any]:
+    """What P gets on a turn without a handle: "prefill this and hold it for a remote decode" (§3)."""
+    return {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+            "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def leg_params(handle: Handle | None, pinned_ids: bytes | None = None) -> dict[str, Any]:
+    """A leg's `kv_transfer_params`: the handle to read through (or a fresh prefill's), plus the verified
+    prompt ids as already-encoded JSON when the engine should use exactly those (§5)."""
+    params = dict(handle.wire) if handle is not None else fresh_prefill()
+    if pinned_ids is not None:
+        params[_PINNED_IDS] = msgspec.Raw(pinned_ids)
+    return params
+
+
+def decode_params(prefill_handle: Handle | None, pinned_ids: bytes | None = None) -> dict[str, Any]:
+    """D's leg reads P's handle; without one (P gave none) D simply prefills itself (§3)."""
+    params = dict(prefill_handle.wire) if prefill_handle is not None else {}
+    if pinned_ids is not None:
+        params[_PINNED_IDS] = msgspec.Raw(pinned_ids)
+    return params
+
+
+def take(answer: dict[str, Any]) -> Handle | None:
+    """Remove the handle from an engine's answer (clients never see it) and return it."""
+    wire = answer.pop(WIRE_KEY, None)
+    return Handle(wire) if isinstance(wire, dict) and wire else None
+
+
+def peek(answer: dict[str, Any]) -> Handle | None:
+    """The handle an answer carries, left in place."""
+    wire = answer.get(WIRE_KEY)
+    return Handle(wire) if isinstance(wire, dict) and wire else None
+
+
+def holds_prompt_and_output(handle: Handle, prompt_tokens: int, output_tokens: int) -> bool:
+    """D's handle covers prompt + output - 1 tokens: the last sampled token has no KV (§2)."""
+    return handle.num_tokens == prompt_tokens + output_tokens - 1
+
+
+def stored(handle: Handle | None) -> dict[str, Any] | None:
+    """The form the conversation store keeps (it never interprets handles)."""
+    return handle.wire if handle is not None else None
+
+
+def from_store(wire: dict[str, Any] | None) -> Handle | None:
+    return Handle(wire) if wire else None

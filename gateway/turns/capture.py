@@ -1,0 +1,53 @@
+"""What D's answer tells the gateway, read as it passes through to the client."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.engines import kv
+from gateway.turns.legs import prompt_ids_of
+
+# Engine-internal fields a client never sees unless it asked for token ids.
+_TOKEN_FIELDS = ("prompt_token_ids", "token_ids")
+
+
+@dataclass
+class DecodeCapture:
+    """What D's answer tells the gateway: its real prompt ids, its output ids, its handle, how it ended."""
+    prompt_ids: list[int] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    handle: kv.Handle | None = None
+    finish_reason: str | None = None
+    error: bool = False
+    output_ids_seen: bool = False
+    text: list[str] = field(default_factory=list)      # the answer's text as the client got it
+
+    def take(self, payload: dict[str, Any], want_token_ids: bool) -> dict[str, Any]:
+        """Record one response or chunk, and return the client's view of it (engine internals removed)."""
+        if "error" in payload:
+            self.error = True
+            return payload
+        self.handle = kv.take(payload) or self.handle
+        if self.prompt_ids is None:
+            self.prompt_ids = prompt_ids_of(payload)
+        for choice in payload.get("choices") or ():
+            ids = choice.get("token_ids")
+            if ids is not None:
+                self.output_ids_seen = True
+                self.output_ids.extend(ids)
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+            message = choice.get("message") or choice.get("delta") or {}
+            piece = message.get("content") if message else choice.get("text")
+            if piece:
+                self.text.append(piece)
+            if not want_token_ids:
+                for key in _TOKEN_FIELDS:
+                    choice.pop(key, None)
+        if not want_token_ids:
+            payload.pop("prompt_token_ids", None)
+        return payload
+
+    @property
+    def finished(self) -> bool:
+        return not self.error and self.finish_reason in ("stop", "length")

@@ -1,0 +1,149 @@
+"""A conversation's state across turns, through the store: claim it when a turn begins, record what D holds
+when the turn ends, mark a failed turn finished. The store never interprets what it keeps; this module does."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import msgspec
+
+from gateway.config import Settings
+from gateway.engines import kv
+from gateway.engines.pool import EnginePool
+from gateway.store import Answer, Conversation, ConversationKey, ConversationStore, StoreUnavailableError, TurnStart
+from gateway.telemetry import Metrics
+from gateway.turns.capture import DecodeCapture
+from gateway.turns.continuity import Fingerprint, held_fingerprint
+from gateway.turns.generated import remember
+from gateway.turns.plan import Claim, Plan, Reason
+from gateway.turns.release import HandleReleaser
+from gateway.turns.render import Renderer
+from gateway.turns.request import TurnRequest
+
+log = logging.getLogger("gateway.turn")
+T = TypeVar("T")
+_NO_HANDLE_REASONS = {"expired": Reason.HANDLE_EXPIRED, "in_flight": Reason.CONCURRENT_TURN}
+
+
+@dataclass(frozen=True)
+class Served:
+    """Where a finished turn ran, as the next turn needs to know it."""
+    prefill: str
+    decode: str
+
+
+class ConversationState:
+    def __init__(self, *, store: ConversationStore, decode: EnginePool, releaser: HandleReleaser,
+                 metrics: Metrics, settings: Settings, block_size: int, renderer: Renderer | None) -> None:
+        self.store, self.decode_pool, self.releaser = store, decode, releaser
+        self.metrics, self.settings, self.block_size = metrics, settings, block_size
+        self.renderer = renderer        # history_tokens "generated": to keep D's answers as it made them
+
+    # -- begin ---------------------------------------------------------------------------------------------
+    async def begin(self, req: TurnRequest, session: ConversationKey) -> tuple[TurnStart, Claim]:
+        """Claim the conversation's handle (at most once, atomically in the store). Raises
+        StoreUnavailableError: the turn is then served stateless."""
+        start = await self._timed("begin_turn", self.store.begin_turn(session, time.time()))
+        if req.rerender is not None and start.record is not None and start.record.answers:
+            req.prompt_ids = req.rerender(start.record.answers)      # past answers as D generated them
+        return start, self._claim(req, start)
+
+    def _claim(self, req: TurnRequest, start: TurnStart) -> Claim:
+        record = start.record
+        if record is None:
+            return Claim(True, None, None, None, True, False)
+        handle = kv.from_store(start.handle) if start.handle_state == "claimed" else None
+        missing = None if handle else (_NO_HANDLE_REASONS.get(start.handle_state) or _missing_reason(record))
+        holder = self.decode_pool.get(record.decode_engine)
+        return Claim(False, handle, missing, fingerprint(record), record.model == req.model,
+                     holder is not None and holder.healthy)
+
+    # -- finish --------------------------------------------------------------------------------------------
+    async def record(self, req: TurnRequest, session: ConversationKey | None, start: TurnStart | None,
+                     plan: Plan, served: Served, capture: DecodeCapture) -> None:
+        """Store what D now holds (the turn still owns the conversation's counter), else release D's handle."""
+        handle = self._verified_handle(capture)
+        if session is None or start is None or not capture.finished:
+            if handle:
+                self.releaser.release(handle, "unused")
+            return
+        now = time.time()
+        previous = start.record
+        num_tokens, held = held_fingerprint(      # hashes only the blocks the plan did not verify
+            req.prompt_ids, capture.prompt_ids, capture.output_ids, handle.num_tokens if handle else 0,
+            self.block_size, previous=fingerprint(previous), verified_tokens=plan.reused_tokens)
+        record = Conversation(
+            decode_engine=served.decode, prefill_engine=served.prefill, model=req.model,
+            block_size=self.block_size, num_tokens=num_tokens, held_tokens=held.held_tokens,
+            block_hashes=held.block_hashes, prefix_hash=held.prefix_hash,
+            handle_note="" if handle else _missing_note(req, capture),
+            answers=self._answers(req, start, capture), created_at=previous.created_at if previous else now,
+            updated_at=now)
+        try:
+            stored = await self._timed("finish_turn", self.store.finish_turn(
+                session, start.turn, record, kv.stored(handle), now + self.settings.handle_ttl_s, now))
+        except StoreUnavailableError:
+            stored = False
+        if handle and not stored:
+            self.releaser.release(handle, "superseded")
+
+    async def abandon(self, req: TurnRequest, session: ConversationKey | None, start: TurnStart | None,
+                      plan: Plan) -> None:
+        """A failed turn stores nothing new, but marks itself finished so later turns are not 'concurrent'."""
+        if session is None or start is None:
+            return
+        self.metrics.turns.labels(plan.kind.value, plan.reason.value).inc()
+        note = Reason.PREVIOUS_TURN_FAILED.value
+        record = msgspec.structs.replace(start.record, handle_note=note) if start.record else \
+            Conversation(model=req.model, block_size=self.block_size, handle_note=note)
+        try:
+            await self.store.finish_turn(session, start.turn, record, None, 0.0, time.time())
+        except StoreUnavailableError:
+            pass
+
+    def _answers(self, req: TurnRequest, start: TurnStart, capture: DecodeCapture) -> list[Answer]:
+        previous = start.record.answers if start.record else []
+        if req.rerender is None or self.renderer is None:
+            return []
+        new = self.renderer.answer(capture.output_ids, "".join(capture.text))
+        return remember(previous, new) if new else previous
+
+    def _verified_handle(self, capture: DecodeCapture) -> kv.Handle | None:
+        """Keep D's handle only if D told us exactly which tokens it holds (prompt + output - 1)."""
+        handle = capture.handle
+        if not handle or capture.prompt_ids is None or not capture.output_ids_seen:
+            return None
+        if not kv.holds_prompt_and_output(handle, len(capture.prompt_ids), len(capture.output_ids)):
+            log.warning("D handle covers %s tokens, expected prompt+output-1: not stored", handle.num_tokens)
+            self.releaser.release(handle, "unverifiable")
+            return None
+        return handle
+
+    async def _timed(self, op: str, call: Awaitable[T]) -> T:
+        began = time.perf_counter()
+        try:
+            return await call
+        except StoreUnavailableError:
+            self.metrics.store_errors.labels(op).inc()
+            raise
+        finally:
+            self.metrics.store_seconds.labels(op).observe(time.perf_counter() - began)
+
+
+def fingerprint(record: Conversation | None) -> Fingerprint | None:
+    """D's held tokens of the conversation's last turn, as the store keeps them."""
+    if record is None:
+        return None
+    return Fingerprint(record.block_size, record.held_tokens, record.block_hashes, record.prefix_hash)
+
+
+def _missing_reason(record: Conversation) -> Reason:
+    return Reason(record.handle_note) if record.handle_note else Reason.NO_HANDLE
+
+
+def _missing_note(req: TurnRequest, capture: DecodeCapture) -> str:
+    return Reason.HANDLE_NOT_STREAMED.value if req.stream and capture.finished else ""

@@ -1,0 +1,156 @@
+"""TurnRunner's retry and replan state machine, without processes: a scripted engine client, real pools, the
+embedded store. One test per transition of plan.replan as the runner carries it out."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from gateway.config import Settings
+from gateway.engines.pool import EnginePool
+from gateway.errors import EngineConnectError, EngineFailedError, EngineTimeoutError, GatewayError
+from gateway.store import Conversation, ConversationKey, MemoryConversationStore
+from gateway.telemetry import Metrics
+from gateway.turns.calls import EngineCalls
+from gateway.turns.continuity import Fingerprint
+from gateway.turns.release import HandleReleaser
+from gateway.turns.request import TurnRequest
+from gateway.turns.state import ConversationState
+from gateway.turns.turn import TurnRunner
+
+BS = 4
+HISTORY = list(range(100, 120))                 # what D holds from the last turn: R = 20 tokens
+PROMPT = HISTORY + [7, 8, 9]
+KEY = ConversationKey("t", "s")
+D_HANDLE = {"do_remote_decode": True, "remote_engine_id": "d0", "remote_block_ids": [[1, 2, 3, 4, 5]],
+            "remote_num_tokens": 20, "remote_host": "h", "remote_port": 1}
+P_HANDLE = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_block_ids": [[9]],
+            "remote_num_tokens": len(PROMPT)}
+
+Script = Callable[[str, dict[str, Any]], dict[str, Any] | GatewayError]
+
+
+class ScriptedClient:
+    """Answers each engine call from `script(url, body)`: an answer, or an error to raise."""
+
+    def __init__(self, script: Script) -> None:
+        self.script, self.calls = script, []
+
+    async def post_json(self, url: str, path: str, body: dict[str, Any], **_: Any) -> dict[str, Any]:
+        self.calls.append((url, body))
+        outcome = self.script(url, body)
+        if isinstance(outcome, GatewayError):
+            raise outcome
+        return outcome
+
+
+def prefill_answer(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    return {"choices": [{"message": {"content": "x"}, "finish_reason": "length"}], "prompt_token_ids": PROMPT,
+            "kv_transfer_params": dict(P_HANDLE)}
+
+
+def decode_answer(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    return {"choices": [{"message": {"content": "ok"}, "finish_reason": "stop", "token_ids": [5, 6]}],
+            "prompt_token_ids": PROMPT,
+            "kv_transfer_params": {**D_HANDLE, "remote_num_tokens": len(PROMPT) + 1}}
+
+
+def reads_d(body: dict[str, Any]) -> bool:
+    return body["kv_transfer_params"].get("remote_engine_id") == "d0"
+
+
+async def run_turn(script: Script, *, retries: int = 2) -> tuple[ScriptedClient, TurnRunner, Any]:
+    settings = Settings(prefill=["http://p0", "http://p1"], decode=["http://d0", "http://d1"], max_retries=retries,
+                        prefill_affinity=False)
+    store, metrics, client = MemoryConversationStore(), Metrics(), ScriptedClient(script)
+    held = Fingerprint.of(HISTORY, 20, BS)
+    start = await store.begin_turn(KEY, 0.0)
+    await store.finish_turn(KEY, start.turn, Conversation(
+        decode_engine="http://d0", model="m", block_size=BS, num_tokens=20, held_tokens=20,
+        block_hashes=held.block_hashes, prefix_hash=held.prefix_hash), dict(D_HANDLE), 1e12, 0.0)
+    prefill, decode = EnginePool("prefill", settings.prefill), EnginePool("decode", settings.decode)
+    calls = EngineCalls(metrics)
+    releaser = HandleReleaser(client, prefill, calls, metrics, "m")
+    state = ConversationState(store=store, decode=decode, releaser=releaser, metrics=metrics, settings=settings,
+                              block_size=BS, renderer=None)
+    runner = TurnRunner(client=client, prefill=prefill, decode=decode, state=state, calls=calls,
+                        releaser=releaser, metrics=metrics, settings=settings)
+    req = TurnRequest(endpoint="/v1/chat/completions", body={"model": "m", "messages": []}, model="m",
+                      prompt_ids=PROMPT, stream=False, want_token_ids=False, include_usage=False, request_id="r")
+    reply = await runner.run(req, KEY)
+    await runner.drain()
+    return client, runner, reply
+
+
+def by_leg(prefill: Callable[[str, dict], Any], decode: Callable[[str, dict], Any] = decode_answer) -> Script:
+    return lambda url, body: prefill(url, body) if "://p" in url else decode(url, body)
+
+
+def failing_first(error: GatewayError, then: Callable[[str, dict], Any]) -> Callable[[str, dict], Any]:
+    seen: list[str] = []
+
+    def step(url: str, body: dict) -> Any:
+        seen.append(url)
+        return error if len(seen) == 1 else then(url, body)
+    return step
+
+
+def legs(client: ScriptedClient) -> list[tuple[str, bool]]:
+    """(engine, whether the call read D's KV), release reads (to /v1/completions) left out."""
+    return [(url, reads_d(body)) for url, body in client.calls if "messages" in body]
+
+
+async def test_continuous_turn_reads_d_and_decodes_on_the_holder():
+    client, _, reply = await run_turn(by_leg(prefill_answer))
+    assert reply.headers["X-PD-Plan"] == "reuse"
+    assert legs(client)[0][1] and legs(client)[1][0] == "http://d0"
+
+
+async def test_prefill_refused_goes_to_another_p_with_the_same_handle():
+    client, _, reply = await run_turn(by_leg(failing_first(EngineConnectError("refused"), prefill_answer)))
+    (p1, read1), (p2, read2) = legs(client)[:2]
+    assert p1 != p2 and read1 and read2 and reply.headers["X-PD-Plan"] == "reuse"
+
+
+async def test_prefill_timeout_on_a_handle_redoes_p_without_it():
+    client, _, reply = await run_turn(by_leg(failing_first(EngineTimeoutError("slow"), prefill_answer)))
+    assert [read for _, read in legs(client)[:2]] == [True, False]
+    assert (reply.headers["X-PD-Plan"], reply.headers["X-PD-Reason"]) == ("full", "prefill_failed")
+
+
+async def test_prefill_failure_on_a_handle_redoes_p_elsewhere_without_it():
+    client, _, reply = await run_turn(by_leg(failing_first(EngineFailedError("500"), prefill_answer)))
+    (p1, _), (p2, read2) = legs(client)[:2]
+    assert p1 != p2 and not read2 and reply.headers["X-PD-Reason"] == "prefill_failed"
+
+
+async def test_parity_violation_redoes_p_without_the_handle_and_spends_no_retry():
+    def other_tokens(url: str, body: dict) -> dict:
+        answer = prefill_answer(url, body)
+        if reads_d(body):
+            answer["prompt_token_ids"] = PROMPT[:-1] + [0]
+        return answer
+    client, _, reply = await run_turn(by_leg(other_tokens), retries=0)
+    assert [read for _, read in legs(client)[:2]] == [True, False]
+    assert reply.headers["X-PD-Reason"] == "parity_violation"
+
+
+async def test_decode_refused_goes_to_another_d_with_ps_handle():
+    client, _, reply = await run_turn(by_leg(prefill_answer, failing_first(EngineConnectError("no"), decode_answer)))
+    engines = [url for url, _ in legs(client)]
+    assert engines[0].startswith("http://p") and engines[1:] == ["http://d0", "http://d1"]
+    assert reply.headers["X-PD-Plan"] == "reuse"
+
+
+async def test_decode_failure_prefills_afresh_then_another_d():
+    client, _, reply = await run_turn(by_leg(prefill_answer, failing_first(EngineFailedError("500"), decode_answer)))
+    engines = [(url[:8], read) for url, read in legs(client)]
+    assert engines == [("http://p", True), ("http://d", False), ("http://p", False), ("http://d", False)]
+    assert legs(client)[3][0] == "http://d1" and reply.headers["X-PD-Reason"] == "decode_failed"
+
+
+async def test_out_of_retries_the_last_engine_error_reaches_the_client():
+    with pytest.raises(EngineFailedError):
+        await run_turn(by_leg(lambda url, body: EngineFailedError("500")), retries=1)
