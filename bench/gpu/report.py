@@ -1,0 +1,197 @@
+#!/usr/bin/env python3
+"""Write bench/GPU-RESULTS.md (tables) and a PNG from what the GPU bench measured.
+
+    python3 bench/gpu/report.py --results DIR [--md bench/GPU-RESULTS.md] [--png bench/gpu-ttft.png]
+
+DIR holds any of transport.json, correctness.json, ttft.json (client.py, transport.py) and env.json (what the
+run script recorded about the host). The PNG needs matplotlib; without it only the Markdown is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+MODE_ORDER = ["reuse_warmP", "reuse_coldP", "full_warmP", "full_coldP", "coloc_prefix", "coloc_full"]
+
+
+def load(d: Path, name: str) -> Any:
+    p = d / name
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def transport_md(rows: list[dict]) -> list[str]:
+    out = ["## Transport: NIXL VRAM READ between two processes on the one GPU", "",
+           "256 MiB in 4096 descriptors of 64 KiB (`bench/gpu/transport.py`); GB/s is the best READ after the first "
+           "(the first includes connecting and mapping), `transports` counts the transport names in UCX's "
+           "protocol-selection table (`UCX_PROTO_INFO=y`).", "",
+           "| configuration | UCX environment | NIXL UCX params | ok | first GB/s | GB/s | transports in UCX's table |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tls = ", ".join(f"{k} {v}" for k, v in sorted((r.get("transports") or {}).items(), key=lambda kv: -kv[1]))
+        out.append(f"| {r['name']} | {_kv(r.get('ucx_env'))} | {_kv(r.get('nixl_params'))} | {r.get('ok')} | "
+                   f"{_num(r.get('gbps_first'))} | {_num(r.get('gbps'))} | {tls or '-'} |")
+    return out + [""]
+
+
+def correctness_md(res: dict) -> list[str]:
+    s = res["summary"]
+    out = ["## Correctness: distance between next-token distributions", "",
+           f"Measure: max |Δ logprob| over the union of both top-20 lists of the first generated token (a lower bound "
+           f"for a token in one list only) and KL over that union (`bench/gpu/logprob_distance.py`). Reference: the "
+           f"co-located engine C on the same prompt with a fresh `cache_salt`. Noise floor: C against itself with "
+           f"its prefix cache (and, for the controls, fresh against fresh): largest max |Δ| = "
+           f"**{s['noise_floor_max_abs']:.4f}**; a distance is flagged above max(0.05, 4 × floor).", "",
+           "| what | n | flagged | max abs Δlogprob: min / median / max | KL: median / max |", "|---|---|---|---|---|"]
+    g, k = s["gateway_max_abs"], s["gateway_kl"]
+    out.append(f"| through the gateway (PD, reuse on later turns) | {s['gateway_ok']} | {s['gateway_flagged']} | "
+               f"{_mmm(g)} | {_num(k.get('median'), 2)} / {_num(k.get('max'), 2)} |")
+    out.append(f"| C against itself (noise floor) | {s['floor']['n']} | - | {_mmm(s['floor'])} | - |")
+    names = {"extend": "control, right KV: P reads D's handle for a longer prompt",
+             "shorter": "**negative** control: shorter prompt, whole handle (tail alignment)",
+             "foreign": "**negative** control: another conversation's handle"}
+    for case, c in s["controls"].items():
+        out.append(f"| {names[case]} | {c['n']} | {c['flagged']} | {_mmm(c['max_abs'])} | "
+                   f"{_sci(c['kl'].get('median'))} / {_sci(c['kl'].get('max'))} |")
+    out += ["", f"Gateway turns: plans {s['plans']}; prompt ids equal to C's on {s['gateway_prompt_ids_equal']}/"
+                f"{s['gateway_ok']}; greedy tokens equal on {s['gateway_tokens_equal']}/{s['gateway_ok']} "
+                f"(not a criterion: see the noise floor).", ""]
+    return out
+
+
+def ttft_md(res: dict) -> list[str]:
+    t = res["table"]
+    modes = [m for m in MODE_ORDER if m in t]
+    lengths = sorted({int(L) for m in modes for L in t[m]})
+    out = ["## TTFT by history length (turn 2 of fresh two-turn conversations, median ms)", "",
+           "| history | " + " | ".join(modes) + " |", "|---" * (len(modes) + 1) + "|"]
+    for L in lengths:
+        cells = [_num(t[m].get(str(L), {}).get("ttft_ms"), 1) for m in modes]
+        p = next((t[m][str(L)]["prompt_tokens"] for m in modes if str(L) in t[m]), L)
+        out.append(f"| {int(p)} | " + " | ".join(cells) + " |")
+    out += ["", "vLLM's own figures beside them (medians per turn 2): tokens P / D / C computed (`local_compute`), "
+                "read from their own cache (`local_cache_hit`), loaded over NIXL (`external_kv_transfer`), and NIXL's "
+                "bytes and transfer time (P's and D's summed).", "",
+            "| mode | history | TTFT ms | P comp / hit / loaded | D comp / hit / loaded | C comp / hit | NIXL MB | "
+            "NIXL ms | gateway P leg ms | gateway D first token ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for m in modes:
+        for L in lengths:
+            r = t[m].get(str(L))
+            if not r:
+                continue
+            mb = (r.get("P.nixl_bytes", 0) + r.get("D.nixl_bytes", 0)) / 1e6
+            ms = (r.get("P.nixl_xfer_s", 0) + r.get("D.nixl_xfer_s", 0)) * 1e3
+            out.append(f"| {m} | {int(r['prompt_tokens'])} | {r['ttft_ms']:.1f} | {_eng(r, 'P')} | {_eng(r, 'D')} | "
+                       f"{_eng(r, 'C', loaded=False)} | {mb:.0f} | {ms:.0f} | {_num(r.get('gw.prefill_ms'), 1)} | "
+                       f"{_num(r.get('gw.decode_ttft_ms'), 1)} |")
+    out += [""] + cost_figures(res) + [""]
+    return out
+
+
+def cost_figures(res: dict) -> list[str]:
+    """What the cost model needs, from the run: bytes per token and the NIXL rate (reads by P in reuse_coldP),
+    the co-located engine's prefill rate (coloc_full), and the transfer rate above which reading beats computing."""
+    recs = [r for r in res["records"] if r["turn"] == 2 and r["status"] == 200]
+    reads = [r for r in recs if r["mode"] == "reuse_coldP" and r["P"]["external_kv_transfer"] > 0]
+    full = [r for r in recs if r["mode"] == "coloc_full" and r["C"]["prefill_s"] > 0]
+    if not reads or not full:
+        return []
+    nbytes = sum(r["P"]["nixl_bytes"] for r in reads)
+    tokens = sum(r["P"]["external_kv_transfer"] for r in reads)
+    xfer_s = sum(r["P"]["nixl_xfer_s"] for r in reads)
+    rate = nbytes / xfer_s if xfer_s else 0.0
+    prefill_rate = sum(r["C"]["local_compute"] for r in full) / sum(r["C"]["prefill_s"] for r in full)
+    per_token = nbytes / tokens if tokens else 0.0
+    return [f"Cost figures from this run: {per_token / 1024:.1f} KiB of KV per token read; NIXL moved "
+            f"{nbytes / 1e9:.2f} GB in {xfer_s:.2f} s of transfer time = **{rate / 1e9:.2f} GB/s** (P reading D, "
+            f"reuse_coldP); C prefills **{prefill_rate:.0f} tokens/s** (vLLM's prefill time, coloc_full). Reading a "
+            f"token's KV is cheaper than computing it above {per_token * prefill_rate / 1e9:.2f} GB/s."]
+
+
+def plot(res: dict | None, corr: dict | None, png: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    if res:
+        t = res["table"]
+        for m in [m for m in MODE_ORDER if m in t]:
+            pts = sorted((t[m][L]["prompt_tokens"], t[m][L]["ttft_ms"]) for L in t[m])
+            axes[0].plot([p for p, _ in pts], [v for _, v in pts], marker="o", label=m)
+        axes[0].set(xscale="log", yscale="log", xlabel="prompt tokens (turn 2)", ylabel="TTFT ms (median)",
+                    title="TTFT by history length, one H200")
+        axes[0].legend(fontsize=8)
+        axes[0].grid(True, which="both", alpha=0.3)
+    if corr:
+        groups = [("C vs C\n(floor)", [r["floor"]["max_abs"] for r in corr["turns"] + corr["controls"] if "floor" in r]),
+                  ("gateway\nturns", [r["distance"]["max_abs"] for r in corr["turns"] if "distance" in r])]
+        groups += [(f"control\n{c}", [r["distance"]["max_abs"] for r in corr["controls"] if r["case"] == c])
+                   for c in ("extend", "shorter", "foreign")]
+        for i, (_, ys) in enumerate(groups):
+            axes[1].scatter([i] * len(ys), [max(y, 1e-4) for y in ys], alpha=0.7)
+        axes[1].set_xticks(range(len(groups)), [g for g, _ in groups], fontsize=8)
+        axes[1].set(yscale="log", ylabel="max |Δ logprob| of the first token (top-20 union)",
+                    title="KV correctness: distance to the co-located engine")
+        axes[1].axhline(max(0.05, 4 * corr["summary"]["noise_floor_max_abs"]), color="red", ls="--", lw=1,
+                        label="flag threshold")
+        axes[1].legend(fontsize=8)
+        axes[1].grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    return True
+
+
+def _eng(r: dict, k: str, loaded: bool = True) -> str:
+    if f"{k}.local_compute" not in r:
+        return "-"
+    parts = [r[f"{k}.local_compute"], r[f"{k}.local_cache_hit"]] + ([r[f"{k}.external_kv_transfer"]] if loaded else [])
+    return " / ".join(str(int(x)) for x in parts)
+
+
+def _mmm(s: dict) -> str:
+    return " / ".join(_num(s.get(k)) for k in ("min", "median", "max")) if s.get("n") else "-"
+
+
+def _num(x: Any, digits: int = 4) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _sci(x: Any) -> str:
+    return "-" if x is None else f"{x:.2g}"
+
+
+def _kv(d: dict | None) -> str:
+    return ", ".join(f"`{k}={v}`" for k, v in (d or {}).items()) or "-"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--results", type=Path, required=True)
+    ap.add_argument("--md", default="bench/GPU-RESULTS.md")
+    ap.add_argument("--png", default="bench/gpu-results.png")
+    a = ap.parse_args()
+    env, transport = load(a.results, "env.json"), load(a.results, "transport.json")
+    corr, ttft = load(a.results, "correctness.json"), load(a.results, "ttft.json")
+    lines = ["# pd-gateway on a GPU: measured results", ""]
+    if env:
+        lines += ["Host and run: " + "; ".join(f"{k}: {v}" for k, v in env.items()), ""]
+    if plot(ttft, corr, a.png):
+        lines += [f"![TTFT by history length and KV correctness]({os.path.basename(a.png)})", ""]
+    if transport:
+        lines += transport_md(transport)
+    if corr:
+        lines += correctness_md(corr)
+    if ttft:
+        lines += ttft_md(ttft)
+    Path(a.md).write_text("\n".join(lines) + "\n")
+    print(f"wrote {a.md}" + (f" and {a.png}" if os.path.exists(a.png) else ""))
+
+
+if __name__ == "__main__":
+    main()
