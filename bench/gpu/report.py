@@ -48,7 +48,7 @@ def correctness_md(res: dict) -> list[str]:
            "| what | n | flagged | max abs Δlogprob: min / median / max | KL: median / max |", "|---|---|---|---|---|"]
     g, k = s["gateway_max_abs"], s["gateway_kl"]
     out.append(f"| through the gateway (PD, reuse on later turns) | {s['gateway_ok']} | {s['gateway_flagged']} | "
-               f"{_mmm(g)} | {_num(k.get('median'), 2)} / {_num(k.get('max'), 2)} |")
+               f"{_mmm(g)} | {_sci(k.get('median'))} / {_sci(k.get('max'))} |")
     out.append(f"| C against itself (noise floor) | {s['floor']['n']} | - | {_mmm(s['floor'])} | - |")
     names = {"extend": "control, right KV: P reads D's handle for a longer prompt",
              "shorter": "**negative** control: shorter prompt, whole handle (tail alignment)",
