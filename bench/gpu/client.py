@@ -146,27 +146,36 @@ def controls(a, words: Words) -> list[dict]:
     records = []
     for n in a.control_lengths:
         for case in ("extend", "shorter", "foreign"):
-            s, handle = first_turn(a, words.token_ids(n))
-            if case == "extend":              # right: the prompt extends D's tokens
-                q = s + words.token_ids(64)
-            elif case == "shorter":           # wrong: a prefix of D's tokens with the whole handle
-                q = s[: len(s) // 2 + 7]
-            else:                             # wrong: other tokens of the same length and more
-                q = words.token_ids(len(s) + 64)
-            before = wire.metrics(a.prefill)
-            got = completion(a.prefill, a, q, 1, handle, salt=uuid.uuid4().hex)
-            loaded = wire.delta(before, wire.metrics(a.prefill))["external_kv_transfer"]
-            ref = completion(a.colocated, a, q, 1, salt=uuid.uuid4().hex)
-            again = completion(a.colocated, a, q, 1, salt=uuid.uuid4().hex)
-            rec = {"case": case, "history": len(s), "prompt": len(q), "remote_num_tokens":
-                   handle.get("remote_num_tokens"), "P_loaded": loaded,
-                   "distance": lp.distance(lp.from_completion(ref), lp.from_completion(got)).as_dict(),
-                   "floor": lp.distance(lp.from_completion(ref), lp.from_completion(again)).as_dict()}
-            records.append(rec)
-            print(f"control {case:8s} history={len(s)} prompt={len(q)} loaded={loaded:.0f} "
-                  f"max_abs={rec['distance']['max_abs']:.4f} kl={rec['distance']['kl']:.2e} "
-                  f"top1={rec['distance']['top1_equal']} floor={rec['floor']['max_abs']:.4f}", flush=True)
+            try:
+                records.append(control(a, words, n, case))
+            except (RuntimeError, OSError, KeyError) as exc:       # a refusal is a finding, not the end of the run
+                records.append({"case": case, "history": n, "error": f"{type(exc).__name__}: {exc}"[:400]})
+                print(f"control {case} n={n} failed: {records[-1]['error']}", flush=True)
     return records
+
+
+def control(a, words: Words, n: int, case: str) -> dict[str, Any]:
+    """One handle read by P directly: D's tokens S behind the handle, then a prompt Q for P with it."""
+    s, handle = first_turn(a, words.token_ids(n))
+    if case == "extend":              # right: the prompt extends D's tokens
+        q = s + words.token_ids(64)
+    elif case == "shorter":           # wrong: a prefix of D's tokens with the whole handle
+        q = s[: len(s) // 2 + 7]
+    else:                             # wrong: other tokens of the same length and more
+        q = words.token_ids(len(s) + 64)
+    before = wire.metrics(a.prefill)
+    got = completion(a.prefill, a, q, 1, handle, salt=uuid.uuid4().hex)
+    loaded = wire.delta(before, wire.metrics(a.prefill))["external_kv_transfer"]
+    ref = completion(a.colocated, a, q, 1, salt=uuid.uuid4().hex)
+    again = completion(a.colocated, a, q, 1, salt=uuid.uuid4().hex)
+    rec = {"case": case, "history": len(s), "prompt": len(q), "remote_num_tokens":
+           handle.get("remote_num_tokens"), "P_loaded": loaded,
+           "distance": lp.distance(lp.from_completion(ref), lp.from_completion(got)).as_dict(),
+           "floor": lp.distance(lp.from_completion(ref), lp.from_completion(again)).as_dict()}
+    print(f"control {case:8s} history={len(s)} prompt={len(q)} loaded={loaded:.0f} "
+          f"max_abs={rec['distance']['max_abs']:.4f} kl={rec['distance']['kl']:.2e} "
+          f"top1={rec['distance']['top1_equal']} floor={rec['floor']['max_abs']:.4f}", flush=True)
+    return rec
 
 
 def correctness(a) -> dict[str, Any]:
@@ -177,6 +186,8 @@ def correctness(a) -> dict[str, Any]:
     floors = [r["floor"]["max_abs"] for r in turns + ctrl if "floor" in r]
     noise = max(floors) if floors else 0.0
     ok_turns = [r for r in turns if r["status"] == 200]
+    failed_controls = [r for r in ctrl if "error" in r]
+    ctrl = [r for r in ctrl if "error" not in r]
     for r in ok_turns + ctrl:
         r["flagged"] = lp.flagged(lp.Distance(**r["distance"]), noise)
     summary = {
@@ -193,9 +204,10 @@ def correctness(a) -> dict[str, Any]:
                             "kl": lp.summary(r["distance"]["kl"] for r in rs)}
                      for case in ("extend", "shorter", "foreign")
                      for rs in [[r for r in ctrl if r["case"] == case]]},
+        "controls_failed": [f"{r['case']}@{r['history']}: {r['error'][:120]}" for r in failed_controls],
         "seconds": round(time.time() - t0, 1),
     }
-    return {"summary": summary, "turns": turns, "controls": ctrl}
+    return {"summary": summary, "turns": turns, "controls": ctrl, "controls_failed": failed_controls}
 
 
 def _count(keys) -> dict[str, int]:

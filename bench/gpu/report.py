@@ -59,6 +59,8 @@ def correctness_md(res: dict) -> list[str]:
     out += ["", f"Gateway turns: plans {s['plans']}; prompt ids equal to C's on {s['gateway_prompt_ids_equal']}/"
                 f"{s['gateway_ok']}; greedy tokens equal on {s['gateway_tokens_equal']}/{s['gateway_ok']} "
                 f"(not a criterion: see the noise floor).", ""]
+    if s.get("controls_failed"):
+        out += ["Controls that failed (the engine refused or errored): " + "; ".join(s["controls_failed"]), ""]
     return out
 
 

@@ -92,7 +92,7 @@ def role_b(work: str, params: dict[str, str]) -> None:
             break
 
 
-def torch_ipc() -> dict:
+def torch_ipc(out: str) -> dict:
     """The ceiling: a tensor shared between two processes by CUDA IPC (torch.multiprocessing), copied once."""
     code = r"""
 import time, torch, torch.multiprocessing as mp
@@ -105,8 +105,14 @@ if __name__ == "__main__":
     p = mp.Process(target=child, args=(q, r)); p.start(); q.put(src)
     ok, gbps = r.get(timeout=60); print(f"RESULT rep=0 state=DONE bytes_ok={ok} gbps={gbps:.3f}", flush=True); p.join(10)
 """
+    script = os.path.join(out, "torch_ipc.py")      # a file: spawned children re-import the main module
+    with open(script, "w") as f:
+        f.write(code)
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    try:
+        proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return {"name": "torch_ipc", "ok": False, "error": "timeout"}
     return {"name": "torch_ipc", "ucx_env": {}, "nixl_params": {}, "seconds": round(time.time() - t0, 1),
             **_results(proc.stdout), "error": proc.stderr[-400:] if proc.returncode else None}
 
@@ -172,7 +178,7 @@ def main() -> None:
         (role_a if a.role == "A" else role_b)(a.work, json.loads(a.params))
         return
     os.makedirs(a.out, exist_ok=True)
-    results = [torch_ipc()]
+    results = [torch_ipc(a.out)]
     print(json.dumps(results[-1]), flush=True)
     for name in a.configs.split(","):
         results.append(run_config(name, a.out))
