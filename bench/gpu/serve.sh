@@ -13,6 +13,7 @@
 #                  cuda_ipc  err_none + UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y: UCX may READ the peer's VRAM with
 #                            CUDA IPC even where NVML reports no NVLink (one GPU; many VMs)
 #   P_GPU D_GPU C_GPU  CUDA_VISIBLE_DEVICES of each engine (default 0: all on one GPU)
+#   BLOCK_SIZE (vLLM default: 16 on CUDA; larger blocks mean fewer, larger NIXL descriptors)
 #   KV_GIB (20), GPU_UTIL (0.25), MAX_LEN (36864), TTL_S (120: D's decoder_kv_blocks_ttl)
 #   VLLM_PY / GW_PY   the Python of vLLM / of the gateway (python3); VLLM_PATH / GW_PATH: PYTHONPATH for each
 #   RUN (/tmp/pdgw-gpu)   logs and pid files
@@ -57,7 +58,7 @@ start_engine() {  # name gpu side_port role engine_id
   local cmd=("$VLLM_PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name pdgw-bench
              --host 127.0.0.1 --port "$port" --enforce-eager --max-model-len "${MAX_LEN:-36864}"
              --gpu-memory-utilization "${GPU_UTIL:-0.25}" --kv-cache-memory-bytes $(( ${KV_GIB:-20} << 30 ))
-             --disable-uvicorn-access-log)
+             --disable-uvicorn-access-log ${BLOCK_SIZE:+--block-size $BLOCK_SIZE})
   [ -n "$4" ] && cmd+=(--kv-transfer-config "$(kv_config "$4" "$5")")
   { echo "#!/usr/bin/env bash"
     echo "echo \$\$ > $RUN/$name.pid"
