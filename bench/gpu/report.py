@@ -93,59 +93,104 @@ def ttft_md(res: dict) -> list[str]:
     return out
 
 
-def cost_figures(res: dict) -> list[str]:
-    """What the cost model needs, from the run: bytes per token and the NIXL rate (reads by P in reuse_coldP),
-    the co-located engine's prefill rate (coloc_full), and the transfer rate above which reading beats computing."""
+def compare_md(runs: list[tuple[str, dict, dict | None]], prefill_rate: float | None) -> list[str]:
+    """Turn-2 TTFT of the modes each extra run measured, beside its NIXL rates."""
+    out = ["## The same with other NIXL transports and block sizes", ""]
+    for label, res, env in runs:
+        t = res["table"]
+        modes = [m for m in MODE_ORDER if m in t]
+        lengths = sorted({int(L) for m in modes for L in t[m]})
+        out += [f"### {label}" + (f" (transport `{env.get('transport')}`)" if env else ""), "",
+                "| history | " + " | ".join(modes) + " |", "|---" * (len(modes) + 1) + "|"]
+        for L in lengths:
+            cells = [_num(t[m].get(str(L), {}).get("ttft_ms"), 1) for m in modes]
+            p = next((t[m][str(L)]["prompt_tokens"] for m in modes if str(L) in t[m]), L)
+            out.append(f"| {int(p)} | " + " | ".join(cells) + " |")
+        out += [""] + cost_figures(res, prefill_rate) + [""]
+    return out
+
+
+def rates(res: dict) -> dict[str, float]:
+    """What a cost model needs, from one run: KV bytes per token, NIXL's rate when P reads D (reuse_coldP) and
+    when D reads P (full_coldP), from vLLM's own nixl_bytes_transferred / nixl_xfer_time; the co-located
+    engine's prefill rate from vLLM's prefill time (coloc_full)."""
     recs = [r for r in res["records"] if r["turn"] == 2 and r["status"] == 200]
+    out: dict[str, float] = {}
     reads = [r for r in recs if r["mode"] == "reuse_coldP" and r["P"]["external_kv_transfer"] > 0]
+    if reads and sum(r["P"]["nixl_xfer_s"] for r in reads) > 0:
+        out["bytes_per_token"] = sum(r["P"]["nixl_bytes"] for r in reads) / sum(r["P"]["external_kv_transfer"] for r in reads)
+        out["p_read_gbps"] = sum(r["P"]["nixl_bytes"] for r in reads) / sum(r["P"]["nixl_xfer_s"] for r in reads) / 1e9
+    pd = [r for r in recs if r["mode"] == "full_coldP" and r["D"]["nixl_xfer_s"] > 0]
+    if pd:
+        out["d_read_gbps"] = sum(r["D"]["nixl_bytes"] for r in pd) / sum(r["D"]["nixl_xfer_s"] for r in pd) / 1e9
     full = [r for r in recs if r["mode"] == "coloc_full" and r["C"]["prefill_s"] > 0]
-    if not reads or not full:
+    if full:
+        out["prefill_tokens_per_s"] = sum(r["C"]["local_compute"] for r in full) / sum(r["C"]["prefill_s"] for r in full)
+    return out
+
+
+def cost_figures(res: dict, prefill_rate: float | None = None) -> list[str]:
+    r = rates(res)
+    rate = r.get("prefill_tokens_per_s") or prefill_rate
+    if "p_read_gbps" not in r:
         return []
-    nbytes = sum(r["P"]["nixl_bytes"] for r in reads)
-    tokens = sum(r["P"]["external_kv_transfer"] for r in reads)
-    xfer_s = sum(r["P"]["nixl_xfer_s"] for r in reads)
-    rate = nbytes / xfer_s if xfer_s else 0.0
-    prefill_rate = sum(r["C"]["local_compute"] for r in full) / sum(r["C"]["prefill_s"] for r in full)
-    per_token = nbytes / tokens if tokens else 0.0
-    return [f"Cost figures from this run: {per_token / 1024:.1f} KiB of KV per token read; NIXL moved "
-            f"{nbytes / 1e9:.2f} GB in {xfer_s:.2f} s of transfer time = **{rate / 1e9:.2f} GB/s** (P reading D, "
-            f"reuse_coldP); C prefills **{prefill_rate:.0f} tokens/s** (vLLM's prefill time, coloc_full). Reading a "
-            f"token's KV is cheaper than computing it above {per_token * prefill_rate / 1e9:.2f} GB/s."]
+    line = (f"Cost figures (vLLM's own counters): {r['bytes_per_token'] / 1024:.1f} KiB of KV per token; NIXL "
+            f"**{r['p_read_gbps']:.2f} GB/s** when P reads D's KV (reuse_coldP)"
+            + (f", **{r['d_read_gbps']:.2f} GB/s** when D reads P's (full_coldP)" if "d_read_gbps" in r else ""))
+    if rate:
+        line += (f"; one engine prefills **{rate:.0f} tokens/s** (vLLM's prefill time, coloc_full), so reading "
+                 f"KV beats recomputing it above {r['bytes_per_token'] * rate / 1e9:.2f} GB/s.")
+    return [line]
 
 
-def plot(res: dict | None, corr: dict | None, png: str) -> bool:
+def plot(res: dict | None, corr: dict | None, runs: list[tuple[str, dict, dict | None]], png: str,
+         main_label: str) -> bool:
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    fig, axes = plt.subplots(1, 3, figsize=(19, 5.5))
     if res:
         t = res["table"]
         for m in [m for m in MODE_ORDER if m in t]:
             pts = sorted((t[m][L]["prompt_tokens"], t[m][L]["ttft_ms"]) for L in t[m])
             axes[0].plot([p for p, _ in pts], [v for _, v in pts], marker="o", label=m)
         axes[0].set(xscale="log", yscale="log", xlabel="prompt tokens (turn 2)", ylabel="TTFT ms (median)",
-                    title="TTFT by history length, one H200")
-        axes[0].legend(fontsize=8)
-        axes[0].grid(True, which="both", alpha=0.3)
+                    title=f"TTFT by history length ({main_label})")
+        axes[1].set(xscale="log", yscale="log", xlabel="prompt tokens (turn 2)", ylabel="TTFT ms (median)",
+                    title="P reads the history from D (reuse_coldP, solid)\nvs P recomputes it (full_coldP, dashed)")
+        for i, (label, r) in enumerate([(main_label, res)] + [(lb, rr) for lb, rr, _ in runs]):
+            for mode, style in (("reuse_coldP", "-"), ("full_coldP", "--")):
+                rows = r["table"].get(mode, {})
+                pts = sorted((rows[L]["prompt_tokens"], rows[L]["ttft_ms"]) for L in rows)
+                if pts:
+                    axes[1].plot([p for p, _ in pts], [v for _, v in pts], style, marker="o", color=f"C{i}",
+                                 label=f"{label}: {mode}")
+        coloc = res["table"].get("coloc_full", {})
+        pts = sorted((coloc[L]["prompt_tokens"], coloc[L]["ttft_ms"]) for L in coloc)
+        if pts:
+            axes[1].plot([p for p, _ in pts], [v for _, v in pts], ":", color="black", label="one engine alone (coloc_full)")
+        for ax in axes[:2]:
+            ax.legend(fontsize=7)
+            ax.grid(True, which="both", alpha=0.3)
     if corr:
         groups = [("C vs C\n(floor)", [r["floor"]["max_abs"] for r in corr["turns"] + corr["controls"] if "floor" in r]),
                   ("gateway\nturns", [r["distance"]["max_abs"] for r in corr["turns"] if "distance" in r])]
         groups += [(f"control\n{c}", [r["distance"]["max_abs"] for r in corr["controls"] if r["case"] == c])
                    for c in ("extend", "shorter", "foreign")]
         for i, (_, ys) in enumerate(groups):
-            axes[1].scatter([i] * len(ys), [max(y, 1e-4) for y in ys], alpha=0.7)
-        axes[1].set_xticks(range(len(groups)), [g for g, _ in groups], fontsize=8)
-        axes[1].set(yscale="log", ylabel="max |Δ logprob| of the first token (top-20 union)",
+            axes[2].scatter([i] * len(ys), [max(y, 1e-3) for y in ys], alpha=0.7)
+        axes[2].set_xticks(range(len(groups)), [g for g, _ in groups], fontsize=8)
+        axes[2].set(yscale="log", ylabel="max |Δ logprob| of the first token (top-20 union)",
                     title="KV correctness: distance to the co-located engine")
-        axes[1].axhline(max(0.05, 4 * corr["summary"]["noise_floor_max_abs"]), color="red", ls="--", lw=1,
-                        label="flag threshold")
-        axes[1].legend(fontsize=8)
-        axes[1].grid(True, which="both", alpha=0.3)
+        axes[2].axhline(max(0.05, 4 * corr["summary"]["noise_floor_max_abs"]), color="red", ls="--", lw=1,
+                        label="flag threshold (4 x floor)")
+        axes[2].legend(fontsize=8)
+        axes[2].grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    fig.savefig(png, dpi=100)
     return True
 
 
@@ -174,16 +219,24 @@ def _kv(d: dict | None) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--results", type=Path, required=True)
+    ap.add_argument("--results", type=Path, required=True, help="the main run's folder")
+    ap.add_argument("--label", default="main run")
+    ap.add_argument("--compare", action="append", default=[], metavar="LABEL=DIR",
+                    help="another run's folder (its ttft.json), shown beside the main one")
     ap.add_argument("--md", default="bench/GPU-RESULTS.md")
     ap.add_argument("--png", default="bench/gpu-results.png")
     a = ap.parse_args()
     env, transport = load(a.results, "env.json"), load(a.results, "transport.json")
     corr, ttft = load(a.results, "correctness.json"), load(a.results, "ttft.json")
+    runs = []
+    for item in a.compare:
+        label, _, folder = item.partition("=")
+        if load(Path(folder), "ttft.json"):
+            runs.append((label, load(Path(folder), "ttft.json"), load(Path(folder), "env.json")))
     lines = ["# pd-gateway on a GPU: measured results", ""]
     if env:
-        lines += ["Host and run: " + "; ".join(f"{k}: {v}" for k, v in env.items()), ""]
-    if plot(ttft, corr, a.png):
+        lines += [f"Main run ({a.label}): " + "; ".join(f"{k}: {v}" for k, v in env.items()), ""]
+    if plot(ttft, corr, runs, a.png, a.label):
         lines += [f"![TTFT by history length and KV correctness]({os.path.basename(a.png)})", ""]
     if transport:
         lines += transport_md(transport)
@@ -191,6 +244,8 @@ def main() -> None:
         lines += correctness_md(corr)
     if ttft:
         lines += ttft_md(ttft)
+    if runs:
+        lines += compare_md(runs, rates(ttft).get("prefill_tokens_per_s") if ttft else None)
     Path(a.md).write_text("\n".join(lines) + "\n")
     print(f"wrote {a.md}" + (f" and {a.png}" if os.path.exists(a.png) else ""))
 
