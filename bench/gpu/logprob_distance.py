@@ -68,6 +68,12 @@ def flagged(d: Distance, noise_floor: float, *, factor: float = 4.0, minimum: fl
     return d.max_abs > max(minimum, factor * noise_floor)
 
 
+def flagged_kl(d: Distance, kl_floor: float, *, factor: float = 4.0, minimum: float = 0.01) -> bool:
+    """The same verdict on KL, which weighs the likely tokens: the tail of a top-k list moves most with rounding
+    (a token near the cut-off shifts by a nat or more), so KL separates right from wrong KV by a wider margin."""
+    return d.kl > max(minimum, factor * kl_floor)
+
+
 def summary(values: Iterable[float]) -> dict[str, float]:
     xs = sorted(values)
     if not xs:

@@ -12,8 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.gpu import logprob_distance as lp  # noqa: E402
 
 MODE_ORDER = ["reuse_warmP", "reuse_coldP", "full_warmP", "full_coldP", "coloc_prefix", "coloc_full"]
 
@@ -39,22 +44,32 @@ def transport_md(rows: list[dict]) -> list[str]:
 
 def correctness_md(res: dict) -> list[str]:
     s = res["summary"]
+    kl_floor = max((r["floor"]["kl"] for r in res["turns"] + res["controls"] if "floor" in r), default=0.0)
+
+    def kl_flags(rows: list[dict]) -> int:
+        return sum(lp.flagged_kl(lp.Distance(**r["distance"]), kl_floor) for r in rows if "distance" in r)
+
     out = ["## Correctness: distance between next-token distributions", "",
            f"Measure: max |Δ logprob| over the union of both top-20 lists of the first generated token (a lower bound "
            f"for a token in one list only) and KL over that union (`bench/gpu/logprob_distance.py`). Reference: the "
            f"co-located engine C on the same prompt with a fresh `cache_salt`. Noise floor: C against itself with "
            f"its prefix cache (and, for the controls, fresh against fresh): largest max |Δ| = "
-           f"**{s['noise_floor_max_abs']:.4f}**; a distance is flagged above max(0.05, 4 × floor).", "",
-           "| what | n | flagged | max abs Δlogprob: min / median / max | KL: median / max |", "|---|---|---|---|---|"]
+           f"**{s['noise_floor_max_abs']:.4f}**, largest KL = **{kl_floor:.3g}**. Flagged: max |Δ| above "
+           f"max(0.05, 4 × its floor); KL above max(0.01, 4 × its floor).", "",
+           "| what | n | flagged by max abs Δ / by KL | max abs Δlogprob: min / median / max | KL: median / max |",
+           "|---|---|---|---|---|"]
     g, k = s["gateway_max_abs"], s["gateway_kl"]
-    out.append(f"| through the gateway (PD, reuse on later turns) | {s['gateway_ok']} | {s['gateway_flagged']} | "
+    ok_turns = [r for r in res["turns"] if r.get("status") == 200]
+    out.append(f"| through the gateway (PD, reuse on later turns) | {s['gateway_ok']} | "
+               f"{s['gateway_flagged']} / {kl_flags(ok_turns)} | "
                f"{_mmm(g)} | {_sci(k.get('median'))} / {_sci(k.get('max'))} |")
     out.append(f"| C against itself (noise floor) | {s['floor']['n']} | - | {_mmm(s['floor'])} | - |")
     names = {"extend": "control, right KV: P reads D's handle for a longer prompt",
              "shorter": "**negative** control: shorter prompt, whole handle (tail alignment)",
              "foreign": "**negative** control: another conversation's handle"}
     for case, c in s["controls"].items():
-        out.append(f"| {names[case]} | {c['n']} | {c['flagged']} | {_mmm(c['max_abs'])} | "
+        rows = [r for r in res["controls"] if r.get("case") == case]
+        out.append(f"| {names[case]} | {c['n']} | {c['flagged']} / {kl_flags(rows)} | {_mmm(c['max_abs'])} | "
                    f"{_sci(c['kl'].get('median'))} / {_sci(c['kl'].get('max'))} |")
     out += ["", f"Gateway turns: plans {s['plans']}; prompt ids equal to C's on {s['gateway_prompt_ids_equal']}/"
                 f"{s['gateway_ok']}; greedy tokens equal on {s['gateway_tokens_equal']}/{s['gateway_ok']} "
@@ -93,7 +108,8 @@ def ttft_md(res: dict) -> list[str]:
     return out
 
 
-def compare_md(runs: list[tuple[str, dict, dict | None]], prefill_rate: float | None) -> list[str]:
+def compare_md(runs: list[tuple[str, dict, dict | None]], prefill_rate: float | None,
+               folder_of: dict[str, str]) -> list[str]:
     """Turn-2 TTFT of the modes each extra run measured, beside its NIXL rates."""
     out = ["## The same with other NIXL transports and block sizes", ""]
     for label, res, env in runs:
@@ -107,6 +123,9 @@ def compare_md(runs: list[tuple[str, dict, dict | None]], prefill_rate: float | 
             p = next((t[m][str(L)]["prompt_tokens"] for m in modes if str(L) in t[m]), L)
             out.append(f"| {int(p)} | " + " | ".join(cells) + " |")
         out += [""] + cost_figures(res, prefill_rate) + [""]
+        corr = load(Path(folder_of[label]), "correctness.json") if label in folder_of else None
+        if corr:
+            out += ["Correctness in this configuration:", ""] + correctness_md(corr)[4:]
     return out
 
 
@@ -223,6 +242,7 @@ def main() -> None:
     ap.add_argument("--label", default="main run")
     ap.add_argument("--compare", action="append", default=[], metavar="LABEL=DIR",
                     help="another run's folder (its ttft.json), shown beside the main one")
+    ap.add_argument("--notes", type=Path, help="hand-written Markdown placed under the title (findings)")
     ap.add_argument("--md", default="bench/GPU-RESULTS.md")
     ap.add_argument("--png", default="bench/gpu-results.png")
     a = ap.parse_args()
@@ -234,6 +254,8 @@ def main() -> None:
         if load(Path(folder), "ttft.json"):
             runs.append((label, load(Path(folder), "ttft.json"), load(Path(folder), "env.json")))
     lines = ["# pd-gateway on a GPU: measured results", ""]
+    if a.notes:
+        lines += [a.notes.read_text().strip(), "", "# The measurements", ""]
     if env:
         lines += [f"Main run ({a.label}): " + "; ".join(f"{k}: {v}" for k, v in env.items()), ""]
     if plot(ttft, corr, runs, a.png, a.label):
@@ -245,7 +267,8 @@ def main() -> None:
     if ttft:
         lines += ttft_md(ttft)
     if runs:
-        lines += compare_md(runs, rates(ttft).get("prefill_tokens_per_s") if ttft else None)
+        folders = dict(item.partition("=")[::2] for item in a.compare)
+        lines += compare_md(runs, rates(ttft).get("prefill_tokens_per_s") if ttft else None, folders)
     Path(a.md).write_text("\n".join(lines) + "\n")
     print(f"wrote {a.md}" + (f" and {a.png}" if os.path.exists(a.png) else ""))
 

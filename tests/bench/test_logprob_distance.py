@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bench.gpu.logprob_distance import Distance, distance, flagged, from_chat, from_completion, summary, token_key
+from bench.gpu.logprob_distance import Distance, distance, flagged, flagged_kl, from_chat, from_completion, summary, token_key
 
 BASE = {10: -0.2, 11: -1.9, 12: -3.0, 13: -4.5}
 
@@ -73,3 +73,12 @@ def test_parsing_chat_and_completion_answers_with_token_ids():
 def test_summary():
     assert summary([3.0, 1.0, 2.0]) == {"n": 3, "min": 1.0, "median": 2.0, "max": 3.0}
     assert summary([]) == {"n": 0}
+
+
+@pytest.mark.parametrize(("kl", "floor", "expected"), [
+    (0.005, 0.0, False),       # under the minimum
+    (0.2, 0.15, False),        # within 4x the engine's own KL
+    (5.0, 0.15, True),         # wrong KV: the likely tokens moved
+])
+def test_flagged_kl_compares_with_the_engines_own_kl(kl, floor, expected):
+    assert flagged_kl(Distance(0.0, kl, True, 20, 20), floor) is expected
