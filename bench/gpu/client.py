@@ -299,7 +299,8 @@ def table(records: list[dict]) -> dict[str, dict[str, Any]]:
             def med(f):
                 return round(statistics.median(f(r) for r in rs), 3)
             engines = [k for k in ("P", "D", "C") if k in rs[0]]
-            row = {"n": len(rs), "ttft_ms": med(lambda r: r["ttft_ms"]), "prompt_tokens": med(lambda r: r["prompt_tokens"] or 0)}
+            row = {"n": len(rs), "ttft_ms": med(lambda r: r["ttft_ms"]),
+                   "prompt_tokens": med(lambda r: r["prompt_tokens"] or 0)}
             for k in engines:
                 for field in ("external_kv_transfer", "local_cache_hit", "local_compute", "nixl_bytes", "nixl_xfer_s",
                               "prefill_s"):

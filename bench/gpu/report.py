@@ -137,14 +137,16 @@ def rates(res: dict) -> dict[str, float]:
     out: dict[str, float] = {}
     reads = [r for r in recs if r["mode"] == "reuse_coldP" and r["P"]["external_kv_transfer"] > 0]
     if reads and sum(r["P"]["nixl_xfer_s"] for r in reads) > 0:
-        out["bytes_per_token"] = sum(r["P"]["nixl_bytes"] for r in reads) / sum(r["P"]["external_kv_transfer"] for r in reads)
+        tokens = sum(r["P"]["external_kv_transfer"] for r in reads)
+        out["bytes_per_token"] = sum(r["P"]["nixl_bytes"] for r in reads) / tokens
         out["p_read_gbps"] = sum(r["P"]["nixl_bytes"] for r in reads) / sum(r["P"]["nixl_xfer_s"] for r in reads) / 1e9
     pd = [r for r in recs if r["mode"] == "full_coldP" and r["D"]["nixl_xfer_s"] > 0]
     if pd:
         out["d_read_gbps"] = sum(r["D"]["nixl_bytes"] for r in pd) / sum(r["D"]["nixl_xfer_s"] for r in pd) / 1e9
     full = [r for r in recs if r["mode"] == "coloc_full" and r["C"]["prefill_s"] > 0]
     if full:
-        out["prefill_tokens_per_s"] = sum(r["C"]["local_compute"] for r in full) / sum(r["C"]["prefill_s"] for r in full)
+        seconds = sum(r["C"]["prefill_s"] for r in full)
+        out["prefill_tokens_per_s"] = sum(r["C"]["local_compute"] for r in full) / seconds
     return out
 
 
@@ -190,12 +192,14 @@ def plot(res: dict | None, corr: dict | None, runs: list[tuple[str, dict, dict |
         coloc = res["table"].get("coloc_full", {})
         pts = sorted((coloc[L]["prompt_tokens"], coloc[L]["ttft_ms"]) for L in coloc)
         if pts:
-            axes[1].plot([p for p, _ in pts], [v for _, v in pts], ":", color="black", label="one engine alone (coloc_full)")
+            axes[1].plot([p for p, _ in pts], [v for _, v in pts], ":", color="black",
+                         label="one engine alone (coloc_full)")
         for ax in axes[:2]:
             ax.legend(fontsize=7)
             ax.grid(True, which="both", alpha=0.3)
     if corr:
-        groups = [("C vs C\n(floor)", [r["floor"]["max_abs"] for r in corr["turns"] + corr["controls"] if "floor" in r]),
+        floor = [r["floor"]["max_abs"] for r in corr["turns"] + corr["controls"] if "floor" in r]
+        groups = [("C vs C\n(floor)", floor),
                   ("gateway\nturns", [r["distance"]["max_abs"] for r in corr["turns"] if "distance" in r])]
         groups += [(f"control\n{c}", [r["distance"]["max_abs"] for r in corr["controls"] if r["case"] == c])
                    for c in ("extend", "shorter", "foreign")]

@@ -98,12 +98,15 @@ def torch_ipc(out: str) -> dict:
 import time, torch, torch.multiprocessing as mp
 def child(q, r):
     t = q.get(); torch.cuda.synchronize(); t0 = time.perf_counter()
-    d = t.clone(); torch.cuda.synchronize(); r.put((bool(d[:4096].eq(1).all()), t.numel() / (time.perf_counter() - t0) / 1e9))
+    d = t.clone(); torch.cuda.synchronize(); dt = time.perf_counter() - t0
+    r.put((bool(d[:4096].eq(1).all()), t.numel() / dt / 1e9))
 if __name__ == "__main__":
     mp.set_start_method("spawn"); q, r = mp.Queue(), mp.Queue()
     src = torch.ones(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
     p = mp.Process(target=child, args=(q, r)); p.start(); q.put(src)
-    ok, gbps = r.get(timeout=60); print(f"RESULT rep=0 state=DONE bytes_ok={ok} gbps={gbps:.3f}", flush=True); p.join(10)
+    ok, gbps = r.get(timeout=60)
+    print(f"RESULT rep=0 state=DONE bytes_ok={ok} gbps={gbps:.3f}", flush=True)
+    p.join(10)
 """
     script = os.path.join(out, "torch_ipc.py")      # a file: spawned children re-import the main module
     with open(script, "w") as f:
