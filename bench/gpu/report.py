@@ -32,7 +32,9 @@ def transport_md(rows: list[dict]) -> list[str]:
     out = ["## Transport: NIXL VRAM READ between two processes on the one GPU", "",
            "256 MiB in 4096 descriptors of 64 KiB (`bench/gpu/transport.py`); GB/s is the best READ after the first "
            "(the first includes connecting and mapping), `transports` counts the transport names in UCX's "
-           "protocol-selection table (`UCX_PROTO_INFO=y`).", "",
+           "protocol-selection table (`UCX_PROTO_INFO=y`). `torch_ipc` is one copy of a 256 MiB tensor that torch "
+           "shares between two processes by CUDA IPC, the child's first CUDA work: proof that CUDA IPC works in "
+           "this machine, not a ceiling.", "",
            "| configuration | UCX environment | NIXL UCX params | ok | first GB/s | GB/s | transports in UCX's table |",
            "|---|---|---|---|---|---|---|"]
     for r in rows:
