@@ -12,6 +12,8 @@
 #                  err_none  NIXL backend parameter ucx_error_handling_mode=none (shared-memory wire-up)
 #                  cuda_ipc  err_none + UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y: UCX may READ the peer's VRAM with
 #                            CUDA IPC even where NVML reports no NVLink (one GPU; many VMs)
+#                  cuda_ipc_peer  only UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y: data over CUDA IPC, NIXL's default
+#                            error handling (peer failures detected) and wire-up over TCP; no shim needed
 #   P_GPU D_GPU C_GPU  CUDA_VISIBLE_DEVICES of each engine (default 0: all on one GPU)
 #   BLOCK_SIZE (vLLM default: 16 on CUDA; larger blocks mean fewer, larger NIXL descriptors)
 #   KV_GIB (20), GPU_UTIL (0.25), MAX_LEN (36864), TTL_S (120: D's decoder_kv_blocks_ttl)
@@ -42,6 +44,7 @@ transport_env() {  # the lines a P or D start script exports for $TRANSPORT
     err_none) echo "export PYTHONPATH=$HERE/nixl_params\${PYTHONPATH:+:\$PYTHONPATH} PDGW_NIXL_UCX_PARAMS=ucx_error_handling_mode=none";;
     cuda_ipc) echo "export PYTHONPATH=$HERE/nixl_params\${PYTHONPATH:+:\$PYTHONPATH} PDGW_NIXL_UCX_PARAMS=ucx_error_handling_mode=none"
               echo "export UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y";;
+    cuda_ipc_peer) echo "export UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y";;
     *) echo "unknown TRANSPORT=$TRANSPORT" >&2; exit 2;;
   esac
 }
