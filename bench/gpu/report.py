@@ -256,7 +256,7 @@ def main() -> None:
     corr, ttft = load(a.results, "correctness.json"), load(a.results, "ttft.json")
     runs = []
     for item in a.compare:
-        label, _, folder = item.partition("=")
+        label, _, folder = item.rpartition("=")   # a label may hold "=", a folder rarely
         if load(Path(folder), "ttft.json"):
             runs.append((label, load(Path(folder), "ttft.json"), load(Path(folder), "env.json")))
     lines = ["# pd-gateway on a GPU: measured results", ""]
@@ -273,7 +273,7 @@ def main() -> None:
     if ttft:
         lines += ttft_md(ttft)
     if runs:
-        folders = dict(item.partition("=")[::2] for item in a.compare)
+        folders = dict(item.rpartition("=")[::2] for item in a.compare)
         lines += compare_md(runs, rates(ttft).get("prefill_tokens_per_s") if ttft else None, folders)
     Path(a.md).write_text("\n".join(lines) + "\n")
     print(f"wrote {a.md}" + (f" and {a.png}" if os.path.exists(a.png) else ""))
