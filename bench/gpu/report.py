@@ -1,0 +1,283 @@
+#!/usr/bin/env python3
+"""Write bench/GPU-RESULTS.md (tables) and a PNG from what the GPU bench measured.
+
+    python3 bench/gpu/report.py --results DIR [--md bench/GPU-RESULTS.md] [--png bench/gpu-ttft.png]
+
+DIR holds any of transport.json, correctness.json, ttft.json (client.py, transport.py) and env.json (what the
+run script recorded about the host). The PNG needs matplotlib; without it only the Markdown is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.gpu import logprob_distance as lp  # noqa: E402
+
+MODE_ORDER = ["reuse_warmP", "reuse_coldP", "full_warmP", "full_coldP", "coloc_prefix", "coloc_full"]
+
+
+def load(d: Path, name: str) -> Any:
+    p = d / name
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def transport_md(rows: list[dict]) -> list[str]:
+    out = ["## Transport: NIXL VRAM READ between two processes on the one GPU", "",
+           "256 MiB in 4096 descriptors of 64 KiB (`bench/gpu/transport.py`); GB/s is the best READ after the first "
+           "(the first includes connecting and mapping), `transports` counts the transport names in UCX's "
+           "protocol-selection table (`UCX_PROTO_INFO=y`). `torch_ipc` is one copy of a 256 MiB tensor that torch "
+           "shares between two processes by CUDA IPC, the child's first CUDA work: proof that CUDA IPC works in "
+           "this machine, not a ceiling.", "",
+           "| configuration | UCX environment | NIXL UCX params | ok | first GB/s | GB/s | transports in UCX's table |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tls = ", ".join(f"{k} {v}" for k, v in sorted((r.get("transports") or {}).items(), key=lambda kv: -kv[1]))
+        out.append(f"| {r['name']} | {_kv(r.get('ucx_env'))} | {_kv(r.get('nixl_params'))} | {r.get('ok')} | "
+                   f"{_num(r.get('gbps_first'))} | {_num(r.get('gbps'))} | {tls or '-'} |")
+    return out + [""]
+
+
+def correctness_md(res: dict) -> list[str]:
+    s = res["summary"]
+    kl_floor = max((r["floor"]["kl"] for r in res["turns"] + res["controls"] if "floor" in r), default=0.0)
+
+    def kl_flags(rows: list[dict]) -> int:
+        return sum(lp.flagged_kl(lp.Distance(**r["distance"]), kl_floor) for r in rows if "distance" in r)
+
+    out = ["## Correctness: distance between next-token distributions", "",
+           f"Measure: max |Δ logprob| over the union of both top-20 lists of the first generated token (a lower bound "
+           f"for a token in one list only) and KL over that union (`bench/gpu/logprob_distance.py`). Reference: the "
+           f"co-located engine C on the same prompt with a fresh `cache_salt`. Noise floor: C against itself with "
+           f"its prefix cache (and, for the controls, fresh against fresh): largest max |Δ| = "
+           f"**{s['noise_floor_max_abs']:.4f}**, largest KL = **{kl_floor:.3g}**. Flagged: max |Δ| above "
+           f"max(0.05, 4 × its floor); KL above max(0.01, 4 × its floor).", "",
+           "| what | n | flagged by max abs Δ / by KL | max abs Δlogprob: min / median / max | KL: median / max |",
+           "|---|---|---|---|---|"]
+    g, k = s["gateway_max_abs"], s["gateway_kl"]
+    ok_turns = [r for r in res["turns"] if r.get("status") == 200]
+    out.append(f"| through the gateway (PD, reuse on later turns) | {s['gateway_ok']} | "
+               f"{s['gateway_flagged']} / {kl_flags(ok_turns)} | "
+               f"{_mmm(g)} | {_sci(k.get('median'))} / {_sci(k.get('max'))} |")
+    out.append(f"| C against itself (noise floor) | {s['floor']['n']} | - | {_mmm(s['floor'])} | - |")
+    names = {"extend": "control, right KV: P reads D's handle for a longer prompt",
+             "shorter": "**negative** control: shorter prompt, whole handle (tail alignment)",
+             "foreign": "**negative** control: another conversation's handle"}
+    for case, c in s["controls"].items():
+        rows = [r for r in res["controls"] if r.get("case") == case]
+        out.append(f"| {names[case]} | {c['n']} | {c['flagged']} / {kl_flags(rows)} | {_mmm(c['max_abs'])} | "
+                   f"{_sci(c['kl'].get('median'))} / {_sci(c['kl'].get('max'))} |")
+    out += ["", f"Gateway turns: plans {s['plans']}; prompt ids equal to C's on {s['gateway_prompt_ids_equal']}/"
+                f"{s['gateway_ok']}; greedy tokens equal on {s['gateway_tokens_equal']}/{s['gateway_ok']} "
+                f"(not a criterion: see the noise floor).", ""]
+    if s.get("controls_failed"):
+        out += ["Controls that failed (the engine refused or errored): " + "; ".join(s["controls_failed"]), ""]
+    return out
+
+
+def ttft_md(res: dict) -> list[str]:
+    t = res["table"]
+    modes = [m for m in MODE_ORDER if m in t]
+    lengths = sorted({int(L) for m in modes for L in t[m]})
+    out = ["## TTFT by history length (turn 2 of fresh two-turn conversations, median ms)", "",
+           "| history | " + " | ".join(modes) + " |", "|---" * (len(modes) + 1) + "|"]
+    for L in lengths:
+        cells = [_num(t[m].get(str(L), {}).get("ttft_ms"), 1) for m in modes]
+        p = next((t[m][str(L)]["prompt_tokens"] for m in modes if str(L) in t[m]), L)
+        out.append(f"| {int(p)} | " + " | ".join(cells) + " |")
+    out += ["", "vLLM's own figures beside them (medians per turn 2): tokens P / D / C computed (`local_compute`), "
+                "read from their own cache (`local_cache_hit`), loaded over NIXL (`external_kv_transfer`), and NIXL's "
+                "bytes and transfer time (P's and D's summed).", "",
+            "| mode | history | TTFT ms | P comp / hit / loaded | D comp / hit / loaded | C comp / hit | NIXL MB | "
+            "NIXL ms | gateway P leg ms | gateway D first token ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for m in modes:
+        for L in lengths:
+            r = t[m].get(str(L))
+            if not r:
+                continue
+            mb = (r.get("P.nixl_bytes", 0) + r.get("D.nixl_bytes", 0)) / 1e6
+            ms = (r.get("P.nixl_xfer_s", 0) + r.get("D.nixl_xfer_s", 0)) * 1e3
+            out.append(f"| {m} | {int(r['prompt_tokens'])} | {r['ttft_ms']:.1f} | {_eng(r, 'P')} | {_eng(r, 'D')} | "
+                       f"{_eng(r, 'C', loaded=False)} | {mb:.0f} | {ms:.0f} | {_num(r.get('gw.prefill_ms'), 1)} | "
+                       f"{_num(r.get('gw.decode_ttft_ms'), 1)} |")
+    out += [""] + cost_figures(res) + [""]
+    return out
+
+
+def compare_md(runs: list[tuple[str, dict, dict | None]], prefill_rate: float | None,
+               folder_of: dict[str, str]) -> list[str]:
+    """Turn-2 TTFT of the modes each extra run measured, beside its NIXL rates."""
+    out = ["## The same with other NIXL transports and block sizes", ""]
+    for label, res, env in runs:
+        t = res["table"]
+        modes = [m for m in MODE_ORDER if m in t]
+        lengths = sorted({int(L) for m in modes for L in t[m]})
+        out += [f"### {label}" + (f" (transport `{env.get('transport')}`)" if env else ""), "",
+                "| history | " + " | ".join(modes) + " |", "|---" * (len(modes) + 1) + "|"]
+        for L in lengths:
+            cells = [_num(t[m].get(str(L), {}).get("ttft_ms"), 1) for m in modes]
+            p = next((t[m][str(L)]["prompt_tokens"] for m in modes if str(L) in t[m]), L)
+            out.append(f"| {int(p)} | " + " | ".join(cells) + " |")
+        out += [""] + cost_figures(res, prefill_rate) + [""]
+        corr = load(Path(folder_of[label]), "correctness.json") if label in folder_of else None
+        if corr:
+            out += ["Correctness in this configuration:", ""] + correctness_md(corr)[4:]
+    return out
+
+
+def rates(res: dict) -> dict[str, float]:
+    """What a cost model needs, from one run: KV bytes per token, NIXL's rate when P reads D (reuse_coldP) and
+    when D reads P (full_coldP), from vLLM's own nixl_bytes_transferred / nixl_xfer_time; the co-located
+    engine's prefill rate from vLLM's prefill time (coloc_full)."""
+    recs = [r for r in res["records"] if r["turn"] == 2 and r["status"] == 200]
+    out: dict[str, float] = {}
+    reads = [r for r in recs if r["mode"] == "reuse_coldP" and r["P"]["external_kv_transfer"] > 0]
+    if reads and sum(r["P"]["nixl_xfer_s"] for r in reads) > 0:
+        tokens = sum(r["P"]["external_kv_transfer"] for r in reads)
+        out["bytes_per_token"] = sum(r["P"]["nixl_bytes"] for r in reads) / tokens
+        out["p_read_gbps"] = sum(r["P"]["nixl_bytes"] for r in reads) / sum(r["P"]["nixl_xfer_s"] for r in reads) / 1e9
+    pd = [r for r in recs if r["mode"] == "full_coldP" and r["D"]["nixl_xfer_s"] > 0]
+    if pd:
+        out["d_read_gbps"] = sum(r["D"]["nixl_bytes"] for r in pd) / sum(r["D"]["nixl_xfer_s"] for r in pd) / 1e9
+    full = [r for r in recs if r["mode"] == "coloc_full" and r["C"]["prefill_s"] > 0]
+    if full:
+        seconds = sum(r["C"]["prefill_s"] for r in full)
+        out["prefill_tokens_per_s"] = sum(r["C"]["local_compute"] for r in full) / seconds
+    return out
+
+
+def cost_figures(res: dict, prefill_rate: float | None = None) -> list[str]:
+    r = rates(res)
+    rate = r.get("prefill_tokens_per_s") or prefill_rate
+    if "p_read_gbps" not in r:
+        return []
+    line = (f"Cost figures (vLLM's own counters): {r['bytes_per_token'] / 1024:.1f} KiB of KV per token; NIXL "
+            f"**{r['p_read_gbps']:.2f} GB/s** when P reads D's KV (reuse_coldP)"
+            + (f", **{r['d_read_gbps']:.2f} GB/s** when D reads P's (full_coldP)" if "d_read_gbps" in r else ""))
+    if rate:
+        line += (f"; one engine prefills **{rate:.0f} tokens/s** (vLLM's prefill time, coloc_full), so reading "
+                 f"KV beats recomputing it above {r['bytes_per_token'] * rate / 1e9:.2f} GB/s.")
+    return [line]
+
+
+def plot(res: dict | None, corr: dict | None, runs: list[tuple[str, dict, dict | None]], png: str,
+         main_label: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 3, figsize=(19, 5.5))
+    if res:
+        t = res["table"]
+        for m in [m for m in MODE_ORDER if m in t]:
+            pts = sorted((t[m][L]["prompt_tokens"], t[m][L]["ttft_ms"]) for L in t[m])
+            axes[0].plot([p for p, _ in pts], [v for _, v in pts], marker="o", label=m)
+        axes[0].set(xscale="log", yscale="log", xlabel="prompt tokens (turn 2)", ylabel="TTFT ms (median)",
+                    title=f"TTFT by history length ({main_label})")
+        axes[1].set(xscale="log", yscale="log", xlabel="prompt tokens (turn 2)", ylabel="TTFT ms (median)",
+                    title="P reads the history from D (reuse_coldP, solid)\nvs P recomputes it (full_coldP, dashed)")
+        for i, (label, r) in enumerate([(main_label, res)] + [(lb, rr) for lb, rr, _ in runs]):
+            for mode, style in (("reuse_coldP", "-"), ("full_coldP", "--")):
+                rows = r["table"].get(mode, {})
+                pts = sorted((rows[L]["prompt_tokens"], rows[L]["ttft_ms"]) for L in rows)
+                if pts:
+                    axes[1].plot([p for p, _ in pts], [v for _, v in pts], style, marker="o", color=f"C{i}",
+                                 label=f"{label}: {mode}")
+        coloc = res["table"].get("coloc_full", {})
+        pts = sorted((coloc[L]["prompt_tokens"], coloc[L]["ttft_ms"]) for L in coloc)
+        if pts:
+            axes[1].plot([p for p, _ in pts], [v for _, v in pts], ":", color="black",
+                         label="one engine alone (coloc_full)")
+        for ax in axes[:2]:
+            ax.legend(fontsize=7)
+            ax.grid(True, which="both", alpha=0.3)
+    if corr:
+        floor = [r["floor"]["max_abs"] for r in corr["turns"] + corr["controls"] if "floor" in r]
+        groups = [("C vs C\n(floor)", floor),
+                  ("gateway\nturns", [r["distance"]["max_abs"] for r in corr["turns"] if "distance" in r])]
+        groups += [(f"control\n{c}", [r["distance"]["max_abs"] for r in corr["controls"] if r["case"] == c])
+                   for c in ("extend", "shorter", "foreign")]
+        for i, (_, ys) in enumerate(groups):
+            axes[2].scatter([i] * len(ys), [max(y, 1e-3) for y in ys], alpha=0.7)
+        axes[2].set_xticks(range(len(groups)), [g for g, _ in groups], fontsize=8)
+        axes[2].set(yscale="log", ylabel="max |Δ logprob| of the first token (top-20 union)",
+                    title="KV correctness: distance to the co-located engine")
+        axes[2].axhline(max(0.05, 4 * corr["summary"]["noise_floor_max_abs"]), color="red", ls="--", lw=1,
+                        label="flag threshold (4 x floor)")
+        axes[2].legend(fontsize=8)
+        axes[2].grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    return True
+
+
+def _eng(r: dict, k: str, loaded: bool = True) -> str:
+    if f"{k}.local_compute" not in r:
+        return "-"
+    parts = [r[f"{k}.local_compute"], r[f"{k}.local_cache_hit"]] + ([r[f"{k}.external_kv_transfer"]] if loaded else [])
+    return " / ".join(str(int(x)) for x in parts)
+
+
+def _mmm(s: dict) -> str:
+    return " / ".join(_num(s.get(k)) for k in ("min", "median", "max")) if s.get("n") else "-"
+
+
+def _num(x: Any, digits: int = 4) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _sci(x: Any) -> str:
+    return "-" if x is None else f"{x:.2g}"
+
+
+def _kv(d: dict | None) -> str:
+    return ", ".join(f"`{k}={v}`" for k, v in (d or {}).items()) or "-"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--results", type=Path, required=True, help="the main run's folder")
+    ap.add_argument("--label", default="main run")
+    ap.add_argument("--compare", action="append", default=[], metavar="LABEL=DIR",
+                    help="another run's folder (its ttft.json), shown beside the main one")
+    ap.add_argument("--notes", type=Path, help="hand-written Markdown placed under the title (findings)")
+    ap.add_argument("--md", default="bench/GPU-RESULTS.md")
+    ap.add_argument("--png", default="bench/gpu-results.png")
+    a = ap.parse_args()
+    env, transport = load(a.results, "env.json"), load(a.results, "transport.json")
+    corr, ttft = load(a.results, "correctness.json"), load(a.results, "ttft.json")
+    runs = []
+    for item in a.compare:
+        label, _, folder = item.rpartition("=")   # a label may hold "=", a folder rarely
+        if load(Path(folder), "ttft.json"):
+            runs.append((label, load(Path(folder), "ttft.json"), load(Path(folder), "env.json")))
+    lines = ["# pd-gateway on a GPU: measured results", ""]
+    if a.notes:
+        lines += [a.notes.read_text().strip(), "", "# The measurements", ""]
+    if env:
+        lines += [f"Main run ({a.label}): " + "; ".join(f"{k}: {v}" for k, v in env.items()), ""]
+    if plot(ttft, corr, runs, a.png, a.label):
+        lines += [f"![TTFT by history length and KV correctness]({os.path.basename(a.png)})", ""]
+    if transport:
+        lines += transport_md(transport)
+    if corr:
+        lines += correctness_md(corr)
+    if ttft:
+        lines += ttft_md(ttft)
+    if runs:
+        folders = dict(item.rpartition("=")[::2] for item in a.compare)
+        lines += compare_md(runs, rates(ttft).get("prefill_tokens_per_s") if ttft else None, folders)
+    Path(a.md).write_text("\n".join(lines) + "\n")
+    print(f"wrote {a.md}" + (f" and {a.png}" if os.path.exists(a.png) else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The GPU bench, end to end, from the repository root on a host with a GPU, vLLM >= 0.25 and NIXL:
+#   bash bench/gpu/run.sh            # = model transport serve correctness ttft report stop
+#   bash bench/gpu/run.sh serve ttft # only these steps, in this order
+# Steps:
+#   model        build the random-weight model (bench/gpu/make_model.py) into $MODEL unless it is there
+#   transport    NIXL VRAM READ between two processes under several UCX settings -> $OUT/transport.json
+#   serve        P, D, C and the gateway (bench/gpu/serve.sh); TRANSPORT=auto picks the fastest transport
+#                that transport.json shows moving the bytes correctly
+#   correctness  log-prob distance through the gateway, noise floor, controls -> $OUT/correctness.json
+#   ttft         TTFT by history length in six modes -> $OUT/ttft.json
+#   report       bench/GPU-RESULTS.md and bench/gpu-results.png from $OUT
+#   stop         end what serve started
+# Environment: MODEL (/tmp/pdgw-bench-model), MODEL_SIZE (3b), OUT (bench/gpu-out), TRANSPORT (auto),
+# LENGTHS (4000,8000,16000,32000), REPS (2), TTFT_BUDGET_S (420), PY (python3: torch, transformers, matplotlib),
+# and serve.sh's settings (VLLM_PY, GW_PY, VLLM_PATH, GW_PATH, KV_GIB, P_GPU, D_GPU, C_GPU, ...).
+set -u
+HERE=$(cd "$(dirname "$0")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+export MODEL=${MODEL:-/tmp/pdgw-bench-model}
+OUT=${OUT:-$ROOT/bench/gpu-out}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+say() { echo "[$(date +%H:%M:%S)] $*"; }
+
+step_model() {
+  if [ -f "$MODEL/bench_model.json" ]; then say "model: $MODEL exists"; return; fi
+  say "model: building ${MODEL_SIZE:-3b} into $MODEL"
+  "$PY" "$HERE/make_model.py" "$MODEL" --size "${MODEL_SIZE:-3b}"
+}
+
+step_transport() {
+  say "transport: NIXL VRAM READ under ${TRANSPORT_CONFIGS:-all configurations}"
+  PYTHONPATH="${VLLM_PATH:-}" timeout 560 "$PY" "$HERE/transport.py" --out "$OUT" \
+    ${TRANSPORT_CONFIGS:+--configs $TRANSPORT_CONFIGS}
+}
+
+pick_transport() {  # auto: the fastest configuration that moved the bytes, mapped to serve.sh's names
+  [ "${TRANSPORT:-auto}" != auto ] && { echo "$TRANSPORT"; return; }
+  "$PY" - "$OUT/transport.json" <<'PY'
+import json, sys
+try:
+    rows = [r for r in json.load(open(sys.argv[1])) if r.get("ok") and r["name"] != "torch_ipc"]
+except OSError:
+    rows = []
+names = {"ipc_get": "cuda_ipc", "ipc_get_tls": "cuda_ipc", "err_none": "err_none", "default": "tcp"}
+rows = [r for r in rows if r["name"] in names]
+print(names[max(rows, key=lambda r: r["gbps"] or 0)["name"]] if rows else "tcp")
+PY
+}
+
+step_serve() {
+  TRANSPORT=$(pick_transport)
+  export TRANSPORT
+  say "serve: TRANSPORT=$TRANSPORT"
+  bash "$HERE/serve.sh" || exit 1
+  "$PY" - "$OUT/env.json" <<PY
+import json, subprocess, sys
+def sh(c):
+    try: return subprocess.run(c, shell=True, capture_output=True, text=True, timeout=30).stdout.strip()
+    except Exception as e: return str(e)
+env = {"gpu": sh("nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1"),
+       "vllm": sh("PYTHONPATH=${VLLM_PATH:-} ${VLLM_PY:-python3} -c 'import vllm; print(vllm.__version__)' 2>/dev/null | tail -1"),
+       "transport": "$TRANSPORT",
+       "model": json.load(open("$MODEL/bench_model.json"))}
+json.dump(env, open(sys.argv[1], "w"), indent=1)
+print(env)
+PY
+}
+
+step_correctness() {
+  say "correctness"
+  timeout 900 "$PY" "$HERE/client.py" correctness --out "$OUT" --model-dir "$MODEL"
+}
+
+step_ttft() {
+  say "ttft: lengths ${LENGTHS:-4000,8000,16000,32000}, reps ${REPS:-2}"
+  timeout $(( ${TTFT_BUDGET_S:-420} + 240 )) "$PY" "$HERE/client.py" ttft --out "$OUT" --model-dir "$MODEL" \
+    --lengths "${LENGTHS:-4000,8000,16000,32000}" --reps "${REPS:-2}" --budget-s "${TTFT_BUDGET_S:-420}"
+}
+
+step_report() {
+  "$PY" "$HERE/report.py" --results "$OUT" --md "${REPORT_MD:-$ROOT/bench/GPU-RESULTS.md}" \
+    --png "${REPORT_PNG:-$ROOT/bench/gpu-results.png}"
+}
+
+step_stop() { bash "$HERE/serve.sh" stop; }
+
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(model transport serve correctness ttft report stop)
+for s in "${steps[@]}"; do
+  declare -F "step_$s" > /dev/null || { echo "unknown step $s"; exit 2; }
+  "step_$s"
+done

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Start the GPU bench's processes, each in its own session (setsid), logs and pid files in $RUN:
+#   P  vLLM kv_producer  :8100 (NIXL side channel :5600)      D  vLLM kv_consumer :8200 (:5700)
+#   C  vLLM alone (no connector, prefix caching on) :8300     G  pd-gateway :8000 in front of P and D
+# and wait until all four answer /health. `bash bench/gpu/serve.sh stop` ends them (by their pid files).
+#
+#   MODEL=/path/to/model bash bench/gpu/serve.sh
+# Settings (environment):
+#   MODEL        the model folder (bench/gpu/make_model.py writes one)                         (required)
+#   TRANSPORT    how NIXL moves KV between P and D:                                            (default: tcp)
+#                  tcp       NIXL's defaults (UCX error handling `peer`: wire-up and, on one GPU, data over TCP)
+#                  err_none  NIXL backend parameter ucx_error_handling_mode=none (shared-memory wire-up)
+#                  cuda_ipc  err_none + UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y: UCX may READ the peer's VRAM with
+#                            CUDA IPC even where NVML reports no NVLink (one GPU; many VMs)
+#                  cuda_ipc_peer  only UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y: data over CUDA IPC, NIXL's default
+#                            error handling (peer failures detected) and wire-up over TCP; no shim needed
+#   P_GPU D_GPU C_GPU  CUDA_VISIBLE_DEVICES of each engine (default 0: all on one GPU)
+#   BLOCK_SIZE (vLLM default: 16 on CUDA; larger blocks mean fewer, larger NIXL descriptors)
+#   KV_GIB (20), GPU_UTIL (0.25), MAX_LEN (36864), TTL_S (120: D's decoder_kv_blocks_ttl)
+#   VLLM_PY / GW_PY   the Python of vLLM / of the gateway (python3); VLLM_PATH / GW_PATH: PYTHONPATH for each
+#   RUN (/tmp/pdgw-gpu)   logs and pid files
+set -u
+HERE=$(cd "$(dirname "$0")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+RUN=${RUN:-/tmp/pdgw-gpu}
+mkdir -p "$RUN"
+declare -A PORT=([P]=8100 [D]=8200 [C]=8300 [G]=8000)
+
+if [ "${1:-}" = stop ]; then
+  for n in G P D C; do [ -f "$RUN/$n.pid" ] && kill "$(cat "$RUN/$n.pid")" 2>/dev/null && echo "stopped $n"; done
+  exit 0
+fi
+: "${MODEL:?set MODEL to the model folder}"
+VLLM_PY=${VLLM_PY:-python3}; GW_PY=${GW_PY:-python3}
+TTL_S=${TTL_S:-120}
+# Required on hosts whose GPUs others share (NVLink multicast off), harmless elsewhere.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+export VLLM_SERVER_DEV_MODE=1 VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1
+
+transport_env() {  # the lines a P or D start script exports for $TRANSPORT
+  case ${TRANSPORT:-tcp} in
+    tcp) ;;
+    err_none) echo "export PYTHONPATH=$HERE/nixl_params\${PYTHONPATH:+:\$PYTHONPATH} PDGW_NIXL_UCX_PARAMS=ucx_error_handling_mode=none";;
+    cuda_ipc) echo "export PYTHONPATH=$HERE/nixl_params\${PYTHONPATH:+:\$PYTHONPATH} PDGW_NIXL_UCX_PARAMS=ucx_error_handling_mode=none"
+              echo "export UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y";;
+    cuda_ipc_peer) echo "export UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y";;
+    *) echo "unknown TRANSPORT=$TRANSPORT" >&2; exit 2;;
+  esac
+}
+
+kv_config() {  # role engine_id
+  printf '{"kv_connector":"NixlConnector","kv_role":"%s","engine_id":"%s","kv_buffer_device":"cuda",' "$1" "$2"
+  printf '"kv_load_failure_policy":"fail","kv_connector_extra_config":{"bidirectional_kv_xfer":true,'
+  printf '"decoder_kv_blocks_ttl":%s}}' "$TTL_S"
+}
+
+start_engine() {  # name gpu side_port role engine_id
+  local name=$1 port=${PORT[$1]}
+  if curl -sf -m 2 "http://127.0.0.1:$port/health" > /dev/null; then echo "$name already up"; return; fi
+  local cmd=("$VLLM_PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name pdgw-bench
+             --host 127.0.0.1 --port "$port" --enforce-eager --max-model-len "${MAX_LEN:-36864}"
+             --gpu-memory-utilization "${GPU_UTIL:-0.25}" --kv-cache-memory-bytes $(( ${KV_GIB:-20} << 30 ))
+             --disable-uvicorn-access-log ${BLOCK_SIZE:+--block-size $BLOCK_SIZE})
+  [ -n "$4" ] && cmd+=(--kv-transfer-config "$(kv_config "$4" "$5")")
+  { echo "#!/usr/bin/env bash"
+    echo "echo \$\$ > $RUN/$name.pid"
+    echo "export CUDA_VISIBLE_DEVICES=$2 ${VLLM_PATH:+PYTHONPATH=$VLLM_PATH}"
+    if [ -n "$4" ]; then transport_env; echo "export VLLM_NIXL_SIDE_CHANNEL_PORT=$3"; fi
+    printf 'exec '; printf '%q ' "${cmd[@]}"; echo
+  } > "$RUN/run_$name.sh"
+  setsid bash "$RUN/run_$name.sh" < /dev/null > "$RUN/$name.log" 2>&1 &
+}
+
+t0=$(date +%s)
+start_engine P "${P_GPU:-0}" 5600 kv_producer prefill-0
+start_engine D "${D_GPU:-0}" 5700 kv_consumer decode-0
+start_engine C "${C_GPU:-0}" "" "" ""
+echo "engines starting (TRANSPORT=${TRANSPORT:-tcp}); logs in $RUN"
+for i in $(seq 1 180); do
+  up=""; for n in P D C; do curl -sf -m 2 "http://127.0.0.1:${PORT[$n]}/health" > /dev/null && up="$up$n"; done
+  [ "$up" = PDC ] && break
+  for n in P D C; do
+    if [ -f "$RUN/$n.pid" ] && ! kill -0 "$(cat "$RUN/$n.pid")" 2>/dev/null; then
+      echo "ENGINE $n EXITED"; tail -40 "$RUN/$n.log"; exit 1
+    fi
+  done
+  sleep 2
+done
+echo "[$(( $(date +%s) - t0 ))s] engines up: $up"
+[ "$up" = PDC ] || { for n in P D C; do echo "== $n"; tail -20 "$RUN/$n.log"; done; exit 1; }
+
+if ! curl -sf -m 2 "http://127.0.0.1:${PORT[G]}/health" > /dev/null; then
+  ( cd "$ROOT" && export PYTHONPATH="${GW_PATH:+$GW_PATH:}$ROOT"
+    setsid "$GW_PY" -m gateway serve --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 \
+      --tokenizer "$MODEL" --host 127.0.0.1 --port "${PORT[G]}" --decoder-kv-blocks-ttl-s "$TTL_S" \
+      --health-interval-s 2 < /dev/null > "$RUN/G.log" 2>&1 & echo $! > "$RUN/G.pid" )
+fi
+for i in $(seq 1 60); do curl -sf -m 2 "http://127.0.0.1:${PORT[G]}/health" > /dev/null && break; sleep 1; done
+echo "[$(( $(date +%s) - t0 ))s] gateway: $(curl -s -m 2 "http://127.0.0.1:${PORT[G]}/health")"
+( cd "$ROOT" && PYTHONPATH="${GW_PATH:+$GW_PATH:}$ROOT" timeout 60 "$GW_PY" -m gateway check \
+    --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --tokenizer "$MODEL" \
+    --decoder-kv-blocks-ttl-s "$TTL_S" ) > "$RUN/check.txt" 2>&1
+echo "pd-gateway check rc=$?: $(tail -3 "$RUN/check.txt" | tr '\n' ' ' | cut -c1-300)"
+grep -h "pdgw nixl_params" "$RUN/P.log" "$RUN/D.log" 2>/dev/null | sort | uniq -c | head -4
