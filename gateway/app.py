@@ -82,7 +82,8 @@ async def _lifespan(app: Litestar, settings: Settings, tracing: Tracing,
         report = await startup_report(client, prefill, decode, renderer, store, settings)
         log_report(report)
         models, block_size = report.models, report.block_size
-        state.intake = Intake(renderer, models, settings.max_messages, settings.history_tokens)
+        state.intake = Intake(renderer, models, settings.max_messages, settings.history_tokens,
+                              report.max_model_len)
         runner = _runner(client, prefill, decode, store, state.metrics, settings, block_size,
                          models[0] if models else "", tracing, renderer)
         state.gateway = Gateway(state.api_keys, state.intake, state.metrics, runner, settings)

@@ -52,6 +52,7 @@ class EngineReport:
     version: str | None = None
     block_size: int | None = None
     models: list[str] = field(default_factory=list)
+    max_model_len: int | None = None              # from /v1/models
     kv_transfer: dict[str, Any] | None = None     # from /server_info, when the engine exposes it
     parity: Literal["match", "mismatch", "unknown"] = "unknown"
     parity_detail: str = ""
@@ -77,6 +78,7 @@ class StartupReport:
     store_ok: bool
     models: list[str]
     block_size: int
+    max_model_len: int | None                     # the smallest any engine reported: longer requests get 400
     reuse: str                                    # one sentence: what this set-up means for reuse
     findings: list[Finding]
 
@@ -87,7 +89,8 @@ class StartupReport:
     def lines(self) -> list[str]:
         store = f"{self.store} ({'answers' if self.store_ok else 'does not answer'})"
         return ["pd-gateway start-up report", *(f"  {e.line()}" for e in self.engines),
-                f"  store    {store}", f"  models   {', '.join(self.models) or '?'}; KV block size {self.block_size}",
+                f"  store    {store}", f"  models   {', '.join(self.models) or '?'}; KV block size {self.block_size}; "
+                f"max_model_len {self.max_model_len or '?'}",
                 f"  reuse    {self.reuse}", f"  verdict  {self.verdict}",
                 *(f"  {f.level}: {f.text}" for f in self.findings)]
 
@@ -105,10 +108,11 @@ async def gather(client: EngineClient, prefill: EnginePool, decode: EnginePool, 
     models = [settings.model] if settings.model else next((r.models for r in reports if r.models), [])
     sizes = {r.block_size for r in reports if r.block_size}
     block_size = settings.block_size or (min(sizes) if sizes else DEFAULT_BLOCK_SIZE)
+    lengths = [r.max_model_len for r in reports if r.max_model_len]
     store_name = mask_url(settings.redis_url) if settings.redis_url else "embedded (single process)"
     findings = [*_reachability(reports), *_agreement(reports, settings), *_transfer(reports),
                 *_parity(reports, renderer, expected), *_store(settings, store_ok)]
-    return StartupReport(reports, store_name, store_ok, models, block_size,
+    return StartupReport(reports, store_name, store_ok, models, block_size, min(lengths, default=None),
                          _reuse(reports, settings, store_ok), findings)
 
 
@@ -151,7 +155,7 @@ async def _engine_report(client: EngineClient, engine: Engine, expected: list[in
         return EngineReport(mask_url(engine.url), engine.role, reachable=False)
     info = await probe(client, engine)
     report = EngineReport(mask_url(engine.url), engine.role, True, info.get("version"), info.get("block_size"),
-                          info.get("models") or [], info.get("kv_transfer"))
+                          info.get("models") or [], info.get("max_model_len"), info.get("kv_transfer"))
     if expected is not None:
         served = model or next(iter(report.models), None)
         report.parity, report.parity_detail = _compare(expected, await tokenize_chat(client, engine,

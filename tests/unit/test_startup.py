@@ -61,7 +61,7 @@ def test_findings(reports, settings, level, words):
 
 
 def test_verdict_is_the_worst_finding():
-    report = startup.StartupReport([engine()], "embedded", True, ["m"], 16, "on", [])
+    report = startup.StartupReport([engine()], "embedded", True, ["m"], 16, 32768, "on", [])
     assert report.verdict == "ok"
     report.findings = [startup.Finding("warn", "a"), startup.Finding("fail", "b")]
     assert report.verdict == "fail"
