@@ -34,6 +34,9 @@ PROBE_MESSAGES = [
 ]
 # PROTOCOL.md §1 said recompute on P; real vLLM 0.32 parks a declined read under it (docs/vllm-findings.md #8)
 RECOMMENDED_POLICY = {"prefill": "fail", "decode": "fail"}
+VLLM_DEFAULT_DECODER_KV_BLOCKS_TTL_S = 480.0
+# The kv_role an engine must have to serve a pool (kv_both serves either).
+ROLES = {"prefill": ("kv_producer", "kv_both"), "decode": ("kv_consumer", "kv_both")}
 Level = Literal["ok", "warn", "fail"]
 _RANK = {"ok": 0, "warn": 1, "fail": 2}
 
@@ -111,6 +114,7 @@ async def gather(client: EngineClient, prefill: EnginePool, decode: EnginePool, 
     lengths = [r.max_model_len for r in reports if r.max_model_len]
     store_name = mask_url(settings.redis_url) if settings.redis_url else "embedded (single process)"
     findings = [*_reachability(reports), *_agreement(reports, settings), *_transfer(reports),
+                *_roles(reports), *_decoder_ttl(reports, settings),
                 *_parity(reports, renderer, expected), *_store(settings, store_ok)]
     return StartupReport(reports, store_name, store_ok, models, block_size, min(lengths, default=None),
                          _reuse(reports, settings, store_ok), findings)
@@ -231,8 +235,36 @@ def _transfer(reports: list[EngineReport]) -> list[Finding]:
     for r in up:
         policy = r.kv_transfer["failure_policy"] if r.kv_transfer else None
         if policy and policy != RECOMMENDED_POLICY[r.role]:
-            out.append(Finding("warn", f"{r.role} {r.url} has kv_load_failure_policy {policy!r}; recommended "
-                                       f"{RECOMMENDED_POLICY[r.role]!r} (see docs/deployment.md)"))
+            # P under recompute never answers a read it declined (docs/vllm-findings.md #8): a hung turn
+            level: Level = "fail" if r.role == "prefill" else "warn"
+            out.append(Finding(level, f"{r.role} {r.url} has kv_load_failure_policy {policy!r}; use "
+                                      f"{RECOMMENDED_POLICY[r.role]!r} (see docs/deployment.md)"))
+    return out
+
+
+def _roles(reports: list[EngineReport]) -> list[Finding]:
+    """An engine's kv_role must fit the pool it was given: P produces KV for D, D consumes it."""
+    out = []
+    for r in reports:
+        kv_role = r.kv_transfer.get("role") if r.reachable and r.kv_transfer else None
+        if kv_role and kv_role not in ROLES[r.role]:
+            flag = "--prefill" if r.role == "prefill" else "--decode"
+            out.append(Finding("fail", f"{r.url} is given as {flag} but its kv_role is {kv_role!r}: are "
+                                       "--prefill and --decode swapped?"))
+    return out
+
+
+def _decoder_ttl(reports: list[EngineReport], settings: Settings) -> list[Finding]:
+    """The gateway drops a handle before D unpins its blocks only if it knows D's decoder_kv_blocks_ttl."""
+    out = []
+    for r in reports:
+        if r.role != "decode" or not r.reachable or not r.kv_transfer:
+            continue
+        ttl = r.kv_transfer.get("decoder_kv_blocks_ttl") or VLLM_DEFAULT_DECODER_KV_BLOCKS_TTL_S
+        if ttl != settings.decoder_kv_blocks_ttl_s:
+            out.append(Finding("fail", f"decode {r.url} has decoder_kv_blocks_ttl {ttl:g} s but the gateway's "
+                                       f"--decoder-kv-blocks-ttl-s is {settings.decoder_kv_blocks_ttl_s:g} s: "
+                                       "set them equal (a longer gateway value reads freed blocks)"))
     return out
 
 
