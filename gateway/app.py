@@ -154,5 +154,6 @@ async def _readiness(store: ConversationStore, prefill: EnginePool, decode: Engi
         store_ok = False
     engines_ok = bool(prefill.healthy()) and bool(decode.healthy())
     degraded = [] if store_ok else ["store_unavailable: turns are served stateless (plan full)"]
-    return {"ready": engines_ok, "store": "embedded" if store.kind == "memory" else store.kind, "store_ok": store_ok, "degraded": degraded,
+    store_name = "embedded" if store.kind == "memory" else store.kind      # as the report and the docs say
+    return {"ready": engines_ok, "store": store_name, "store_ok": store_ok, "degraded": degraded,
             "prefill_healthy": len(prefill.healthy()), "decode_healthy": len(decode.healthy())}
