@@ -47,7 +47,8 @@ BAD_INPUTS = [b"{nope", b"[]", b'{"model":"demo"}', b'{"messages":"x"}', b'{"mes
 @dataclass
 class Tally:
     turns: int = 0
-    later_turns: int = 0
+    later_turns: int = 0           # answered turns after a conversation's first (reuse_rate's denominator)
+    later_attempts: int = 0        # the same, answered or not: under load many fail and are not in reuse_rate
     reused: int = 0
     hung: int = 0
     failed: int = 0
@@ -132,6 +133,7 @@ async def turn(http: aiohttp.ClientSession, fleet: Fleet, session: str, messages
     if time.monotonic() - began > HUNG_S:
         tally.hung += 1
     tally.turns += 1
+    tally.later_attempts += len(messages) > 1
     if answer is not None:
         tally.seconds.append(time.monotonic() - began)
     if len(messages) > 1 and answer is not None:
@@ -306,6 +308,7 @@ def main() -> None:
         dict(clients=300, turns=6, fault_period=20.0, replicas=3)
     t = asyncio.run(run(**size))
     reuse_rate = t.reused / t.later_turns if t.later_turns else 0.0
+    print(f"later turns: {t.later_turns} answered of {t.later_attempts}; {t.reused} of them reused D's KV")
     for reason, count in t.fallbacks.most_common():
         print(f"fallback {reason}: {count} ({count / max(t.later_turns, 1):.0%} of later turns)")
     print(f"chaos: turns={t.turns} corrupt={t.corrupt} hung={t.hung} leaked_pins={t.leaked_pins} "
