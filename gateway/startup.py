@@ -32,7 +32,7 @@ PROBE_MESSAGES = [
     {"role": "assistant", "content": "2 + 2 = 4. Anything else?"},
     {"role": "user", "content": "Yes: name three prime numbers, please."},
 ]
-# PROTOCOL.md §1 said recompute on P; real vLLM 0.32 parks a declined read under it (docs/vllm-findings.md #8)
+# The protocol notes once said recompute on P; real vLLM 0.32 parks a declined read under it (docs/vllm-findings.md #8)
 RECOMMENDED_POLICY = {"prefill": "fail", "decode": "fail"}
 VLLM_DEFAULT_DECODER_KV_BLOCKS_TTL_S = 480.0
 # The kv_role an engine must have to serve a pool (kv_both serves either).

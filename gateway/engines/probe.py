@@ -51,7 +51,7 @@ def kv_transfer_of(server_info: dict[str, Any]) -> dict[str, Any] | None:
     return {"connector": kv.get("kv_connector"), "role": kv.get("kv_role"),
             "failure_policy": kv.get("kv_load_failure_policy", "fail"),
             "bidirectional": bool(extra.get("bidirectional_kv_xfer", False)),
-            # absent: vLLM's default (PROTOCOL.md §1); D pins a finished turn's blocks this long
+            # absent: vLLM's default (docs/protocol.md §1); D pins a finished turn's blocks this long
             "decoder_kv_blocks_ttl": float(ttl) if isinstance(ttl, (int, float)) and ttl > 0 else None}
 
 
