@@ -5,6 +5,7 @@ The simulator never uses the gateway's renderer: it is the independent side of e
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -64,4 +65,20 @@ def _flatten(message: dict[str, Any]) -> dict[str, Any]:
         message = {**message, "content": "\n".join(texts)}
     elif content is None and "content" in message:
         message = {**message, "content": ""}
+    if message.get("role") == "assistant" and isinstance(message.get("tool_calls"), list):
+        message = _parsed_tool_calls(message)
     return message
+
+
+def _parsed_tool_calls(message: dict[str, Any]) -> dict[str, Any]:
+    """vLLM hands templates tool call arguments as parsed JSON (a string is loaded, an empty one is {}) and
+    drops an empty tool_calls list."""
+    if not message["tool_calls"]:
+        return {k: v for k, v in message.items() if k != "tool_calls"}
+    calls = []
+    for call in message["tool_calls"]:
+        fn = dict(call["function"])
+        args = fn.get("arguments")
+        fn["arguments"] = (args if isinstance(args, (dict, list)) else json.loads(args)) if args else {}
+        calls.append({**call, "function": fn})
+    return {**message, "tool_calls": calls}

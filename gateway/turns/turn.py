@@ -294,7 +294,7 @@ class TurnRunner:
         previous = turn.start.record.answers if turn.start and turn.start.record else []
         if turn.req.rerender is None or self.renderer is None:
             return []
-        new = self.renderer.answer(capture.output_ids, "".join(capture.text))
+        new = self.renderer.answer(capture.output_ids, "".join(capture.text), capture.tool_calls)
         return remember(previous, new) if new else previous
 
     def _count(self, turn: _Turn) -> None:
