@@ -35,14 +35,16 @@ def renderer() -> Renderer:
 
 
 # -- bad input -----------------------------------------------------------------------------------------
+ARGUMENTS = "messages[2].tool_calls[0].function.arguments"
 BAD = [
-    ({"messages": conversation([call("a", "get_weather", "{not json")])}, "messages[2].tool_calls[0].function.arguments"),
-    ({"messages": conversation([call("a", "get_weather", 42)])}, "messages[2].tool_calls[0].function.arguments"),
+    ({"messages": conversation([call("a", "get_weather", "{not json")])}, ARGUMENTS),
+    ({"messages": conversation([call("a", "get_weather", 42)])}, ARGUMENTS),
     ({"messages": conversation([{"id": "a", "type": "function"}])}, "messages[2].tool_calls[0]"),
     ({"messages": conversation([call("a", "", "{}")])}, "messages[2].tool_calls[0].function.name"),
-    ({"messages": [*conversation([call("a", "search", "{}")]), {"role": "tool", "tool_call_id": "zz", "content": "?"}]},
-     "messages[4].tool_call_id"),
-    ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "orphan"}]}, "messages[1].tool_call_id"),
+    ({"messages": [*conversation([call("a", "search", "{}")]), {"role": "tool", "tool_call_id": "zz",
+                                                                 "content": "?"}]}, "messages[4].tool_call_id"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "orphan"}]},
+     "messages[1].tool_call_id"),
     ({"messages": conversation([call("a", "search", "{}")])[:3], "tools": [{"type": "function"}]}, "tools[0]"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
       "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
