@@ -92,16 +92,15 @@ class Renderer:
                     **template: Any) -> list[int]:
         """`answers`: past answers to send as the ids D generated (history_tokens "generated"); needs the
         incremental encoder's cut at special tokens, else the text is encoded as usual."""
-        text = self.template(messages, **template)
         if answers and self.pieces is not None:
-            return self._spliced(messages, text, answers, template)
-        return self.encode(text)
+            return self._spliced(messages, answers, template)
+        return self.encode(self.template(messages, **template))
 
-    def _spliced(self, messages: list[dict[str, Any]], text: str, answers: list[Answer],
-                 template: dict[str, Any]) -> list[int]:
+    def _spliced(self, messages: list[dict[str, Any]], answers: list[Answer], template: dict[str, Any]) -> list[int]:
         """Assistant messages that carry the tool calls D generated are rendered as D's text (the template's
         re-rendering of the calls is not what D holds) and sent as D's ids. If the template does not show that
-        text verbatim (it rewrote past answers, say), the plain rendering is kept."""
+        text verbatim (it rewrote past answers, say), the plain rendering is kept. One template render when
+        that works (a long history's render costs milliseconds)."""
         generated = substitutions(messages, answers, self.decode)
         if generated:
             try:
@@ -110,7 +109,7 @@ class Renderer:
                 swapped = None
             if swapped is not None and generated.found_in(swapped):
                 return splice(self.pieces, swapped, answers, generated.spans)
-        return splice(self.pieces, text, answers)
+        return splice(self.pieces, self.template(messages, **template), answers)
 
     def template(self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None,
                  add_generation_prompt: bool = True, continue_final_message: bool = False,
