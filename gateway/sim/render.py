@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
 from transformers import AutoTokenizer
 
 BUILTIN_PREFIX = "builtin:"
@@ -25,6 +26,10 @@ def tokenizer_source(spec: str) -> str:
     return spec
 
 
+class RenderError(ValueError):
+    """Messages the chat template cannot render (vLLM answers 400)."""
+
+
 class Renderer:
     """Messages or prompts → token ids, and ids → text, exactly as a vLLM frontend would."""
 
@@ -35,9 +40,12 @@ class Renderer:
 
     def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
                     tools: list[Any] | None = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            [_flatten(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt,
-            tools=tools, chat_template=self.chat_template, **(template_kwargs or {}))
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [_flatten(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt,
+                tools=tools, chat_template=self.chat_template, **(template_kwargs or {}))
+        except (ValueError, TypeError, KeyError, TemplateError) as exc:
+            raise RenderError(str(exc)) from exc
         return self.encode(text)
 
     def render_prompt(self, prompt: str) -> list[int]:

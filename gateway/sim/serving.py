@@ -18,7 +18,7 @@ from gateway.sim import wire
 from gateway.sim.blocks import PoolExhaustedError
 from gateway.sim.engine import Engine, EngineRequest, KVLoadError, KVLoadParked, Running
 from gateway.sim.generate import THINK_CLOSE, THINK_OPEN
-from gateway.sim.render import Renderer
+from gateway.sim.render import Renderer, RenderError
 from gateway.sim.settings import SimSettings
 from gateway.sim.tools import (ToolRequestError, ToolSpec, ToolStream, extract, finish_reason, message_calls,
                                tool_spec)
@@ -64,9 +64,12 @@ class Serving:
             tools = tool_spec(body.tools, body.tool_choice, auto_enabled=self._auto_tools)
         except ToolRequestError as exc:
             raise SimRequestError(400, str(exc)) from exc
-        prompt = self._pinned_prompt(body) or self.renderer.render_chat(
-            body.messages, add_generation_prompt=body.add_generation_prompt, tools=body.tools,
-            template_kwargs=body.chat_template_kwargs)
+        try:
+            prompt = self._pinned_prompt(body) or self.renderer.render_chat(
+                body.messages, add_generation_prompt=body.add_generation_prompt, tools=body.tools,
+                template_kwargs=body.chat_template_kwargs)
+        except RenderError as exc:
+            raise SimRequestError(400, str(exc)) from exc
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         call = self._call("chat", "chatcmpl-", body, prompt, max_tokens, header_id)
         call.tools = call.engine_req.tools = tools

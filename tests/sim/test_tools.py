@@ -169,3 +169,13 @@ def test_decode_holds_the_tool_call_tokens_it_generated(sims: Sims, fleet: Fleet
     handle = resp["kv_transfer_params"]
     assert handle["remote_num_tokens"] == len(resp["prompt_token_ids"]) + len(choice["token_ids"]) - 1
     assert sims.stats(d)["requests_corrupt"] == 0
+
+
+@pytest.mark.integration
+def test_tool_call_arguments_that_are_not_json_are_a_400(sims: Sims, fleet: Fleet) -> None:
+    [c] = fleet("c_tools")
+    messages = [user("q"), {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "search", "arguments": "{nope"}}]},
+        {"role": "tool", "tool_call_id": "a", "content": "x"}]
+    resp = sims.raw_chat(c, {"messages": messages, "tools": TOOLS})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == 400
