@@ -114,3 +114,30 @@ def test_a_template_that_raises_is_a_400(tmp_path) -> None:
             s.client().chat.completions.create(model="demo", messages=messages,
                                                extra_headers={"X-Session-Id": uuid.uuid4().hex})
         assert caught.value.status_code == 400 and caught.value.body["param"] == "messages"
+
+
+@pytest.mark.parametrize("choice", ["required", "named", "none"])
+def test_tool_choice_through_the_gateway(pd, choice: str) -> None:
+    """required/named are vLLM's guided paths: D generates bare JSON, which the template re-renders inside
+    <tool_call> tags, so the next turn reuses up to that answer (partial), never a wrong prefix."""
+    tool_choice = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else choice
+    headers = {"X-Session-Id": uuid.uuid4().hex}
+    messages: list[Any] = [{"role": "user", "content": f"Weather, {choice}?"}]
+    out = pd.client().chat.completions.create(model="demo", messages=messages, tools=TOOLS, tool_choice=tool_choice,
+                                              extra_headers=headers)
+    choice0 = out.choices[0]
+    if choice == "none":
+        assert choice0.finish_reason == "stop" and not choice0.message.tool_calls
+        messages += [{"role": "assistant", "content": choice0.message.content}, {"role": "user", "content": "ok"}]
+        expected = ("reuse", "continuous")
+    else:
+        assert choice0.finish_reason == ("stop" if choice == "named" else "tool_calls")
+        assert choice0.message.tool_calls[0].function.name == "get_weather"
+        messages.append(choice0.message)
+        messages += [{"role": "tool", "tool_call_id": c.id, "content": weather(c.function.arguments)}
+                     for c in choice0.message.tool_calls]
+        expected = ("partial", "prefix_diverged")
+    raw = pd.client().chat.completions.with_raw_response.create(model="demo", messages=messages, tools=TOOLS,
+                                                                extra_headers=headers)
+    assert (raw.headers["x-pd-plan"], raw.headers["x-pd-reason"]) == expected
+    assert pd.total("kv_reads_corrupt") == 0
