@@ -7,6 +7,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gateway.errors import InvalidRequestError
 from gateway.sim.render import Renderer as SimRenderer
@@ -173,3 +175,46 @@ def test_streamed_tool_call_deltas_merge_per_index() -> None:
                      {"id": "y", "function": {"name": "get_weather", "arguments": "{}"}}]
     assert merge_calls([], CLIENT_CALLS)[1]["function"] == {"name": "search", "arguments": "{}"}
     assert tool_answer([1], "no calls", "", CLIENT_CALLS) is None
+
+
+# -- whatever arrives: a 400 or a rendering, never another exception -------------------------------------
+def _junk() -> st.SearchStrategy:
+    scalar = st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=8))
+    json_like = st.recursive(scalar, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                             st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+                             max_leaves=8)
+    fn = st.fixed_dictionaries({}, optional={"name": st.one_of(st.sampled_from(["get_weather", "search"]), json_like),
+                                             "arguments": st.one_of(st.sampled_from(['{"a": 1}', "", "{x", "[]"]),
+                                                                    json_like)})
+    call_ = st.fixed_dictionaries({}, optional={"id": st.one_of(st.sampled_from(["a", "b"]), json_like),
+                                                "type": st.sampled_from(["function", "other"]),
+                                                "function": st.one_of(fn, json_like), "index": json_like})
+    message = st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant", "tool", "system"])},
+        optional={"content": st.one_of(st.none(), st.text(max_size=10)),
+                  "tool_calls": st.one_of(st.lists(call_, max_size=3), json_like),
+                  "tool_call_id": st.one_of(st.sampled_from(["a", "b"]), json_like)})
+    return st.fixed_dictionaries(
+        {"messages": st.lists(message, min_size=1, max_size=5)},
+        optional={"tools": st.one_of(st.just(TOOLS), json_like),
+                  "tool_choice": st.one_of(st.sampled_from(["auto", "none", "required"]), json_like)})
+
+
+def test_any_tool_input_is_a_400_or_renders(renderer: Renderer) -> None:
+    _, _, output = turn_state(renderer)
+    answers = [renderer.answer(output, "", CLIENT_CALLS)]
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(body=_junk())
+    def check(body: dict[str, Any]) -> None:
+        try:
+            check_chat(body)
+        except InvalidRequestError:
+            return
+        for kept in (None, answers):
+            try:
+                renderer.render_chat(body["messages"], tools=body.get("tools"), answers=kept)
+            except InvalidRequestError:
+                pass
+
+    check()
