@@ -141,3 +141,23 @@ def test_tool_choice_through_the_gateway(pd, choice: str) -> None:
                                                                 extra_headers=headers)
     assert (raw.headers["x-pd-plan"], raw.headers["x-pd-reason"]) == expected
     assert pd.total("kv_reads_corrupt") == 0
+
+
+def test_streamed_tool_calls_with_the_buffer_policy() -> None:
+    """D without its handle in the stream: the gateway fetches the whole answer and re-streams it; tool calls
+    must come out as stream deltas (with their `index`) that the SDK assembles."""
+    with stack(sim=SIM, decode=[], gateway=["--stream-handle-policy", "buffer", "--history-tokens", "generated"]) as s:
+        headers = {"X-Session-Id": uuid.uuid4().hex}
+        messages: list[Any] = [{"role": "user", "content": "Weather in Oslo?"}]
+        with s.client().chat.completions.stream(model="demo", messages=messages, tools=TOOLS,
+                                                 extra_headers=headers) as stream:
+            completion = stream.get_final_completion()
+        message = completion.choices[0].message
+        assert completion.choices[0].finish_reason == "tool_calls" and message.tool_calls
+        assert json.loads(message.tool_calls[0].function.arguments)["city"]
+        messages.append(message)
+        messages += [{"role": "tool", "tool_call_id": c.id, "content": weather(c.function.arguments)}
+                     for c in message.tool_calls]
+        raw = s.client().chat.completions.with_raw_response.create(model="demo", messages=messages, tools=TOOLS,
+                                                                   extra_headers=headers)
+        assert raw.headers["x-pd-plan"] == "reuse"
