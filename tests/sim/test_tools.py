@@ -179,3 +179,5 @@ def test_tool_call_arguments_that_are_not_json_are_a_400(sims: Sims, fleet: Flee
         {"role": "tool", "tool_call_id": "a", "content": "x"}]
     resp = sims.raw_chat(c, {"messages": messages, "tools": TOOLS})
     assert resp.status_code == 400 and resp.json()["error"]["code"] == 400
+    resp = sims.post(c, "/tokenize", {"model": "demo", "messages": messages, "tools": TOOLS})
+    assert resp.status_code == 400
