@@ -50,7 +50,7 @@ def remember(answers: list[Answer], new: Answer) -> list[Answer]:
 def splice(pieces: PieceEncoder, text: str, answers: list[Answer],
            spans: Sequence[tuple[str, list[int]]] = ()) -> TokenIds:
     """`spans`: (D's text, D's ids) of substituted tool-call answers, in order; each is found in `text` and
-    sent as the ids (see `Substitutions.found_in`)."""
+    sent as the ids (see `Substitutions.only_difference`)."""
     by_length: dict[int, dict[bytes, list[int]]] = {}
     for a in answers:
         by_length.setdefault(a.chars, {})[a.text_hash] = a.ids
@@ -105,14 +105,26 @@ class Substitutions:
     messages: list[dict[str, Any]]              # the conversation with those assistant messages as D's text
     spans: list[tuple[str, list[int]]]          # (D's text, D's ids), in message order
 
-    def found_in(self, text: str) -> bool:
-        pos = 0
+    def only_difference(self, swapped: str, plain: str) -> bool:
+        """Whether `swapped` shows every span's text, in order, and is `plain` with only those places changed
+        (whatever the template rendered for the calls there): plain = s0 X1 s1 X2 ... sn, swapped = s0 T1 s1 ..."""
+        segments, pos = [], 0
         for generated_text, _ in self.spans:
-            at = text.find(generated_text, pos)
+            at = swapped.find(generated_text, pos)
             if at < 0:
                 return False
+            segments.append(swapped[pos:at])
             pos = at + len(generated_text)
-        return True
+        last = swapped[pos:]
+        if not plain.startswith(segments[0]):
+            return False
+        pos = len(segments[0])
+        for segment in segments[1:]:
+            at = plain.find(segment, pos)
+            if at < 0:
+                return False
+            pos = at + len(segment)
+        return plain.endswith(last) and len(plain) - len(last) >= pos
 
 
 def substitutions(messages: list[dict[str, Any]], answers: list[Answer],

@@ -98,18 +98,19 @@ class Renderer:
 
     def _spliced(self, messages: list[dict[str, Any]], answers: list[Answer], template: dict[str, Any]) -> list[int]:
         """Assistant messages that carry the tool calls D generated are rendered as D's text (the template's
-        re-rendering of the calls is not what D holds) and sent as D's ids. If the template does not show that
-        text verbatim (it rewrote past answers, say), the plain rendering is kept. One template render when
-        that works (a long history's render costs milliseconds)."""
+        re-rendering of the calls is not what D holds) and sent as D's ids, provided that is the only
+        difference from the plain rendering: a template that rewrites past answers, or renders other messages
+        differently once an assistant message has no tool_calls, keeps the plain rendering."""
+        text = self.template(messages, **template)
         generated = substitutions(messages, answers, self.decode)
         if generated:
             try:
                 swapped = self.template(generated.messages, **template)
             except InvalidRequestError:
                 swapped = None
-            if swapped is not None and generated.found_in(swapped):
+            if swapped is not None and generated.only_difference(swapped, text):
                 return splice(self.pieces, swapped, answers, generated.spans)
-        return splice(self.pieces, self.template(messages, **template), answers)
+        return splice(self.pieces, text, answers)
 
     def template(self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None,
                  add_generation_prompt: bool = True, continue_final_message: bool = False,

@@ -218,3 +218,23 @@ def test_any_tool_input_is_a_400_or_renders(renderer: Renderer) -> None:
                 pass
 
     check()
+
+
+def test_a_template_that_renders_other_messages_by_the_calls_keeps_the_plain_rendering(renderer: Renderer,
+                                                                                       tmp_path: Any) -> None:
+    """Here tool results render differently after an assistant message without tool_calls: swapping in D's
+    text would change more than the answer itself, so the plain rendering is sent."""
+    template = renderer.tokenizer.chat_template.replace(
+        "{{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}",
+        "{{- '\\n<tool_response>\\n' + content + ('' if messages[loop.index0 - 1]['tool_calls'] is defined "
+        "or messages[loop.index0 - 1]['role'] == 'tool' else ' (orphan)') + '\\n</tool_response>' }}")
+    assert template != renderer.tokenizer.chat_template
+    path = tmp_path / "strict.jinja"
+    path.write_text(template)
+    strict = Renderer("builtin:demo", chat_template=str(path))
+    before, _, output = turn_state(strict)
+    answers = [strict.answer(output, "", CLIENT_CALLS)]
+    messages = [*before, {"role": "assistant", "content": None, "tool_calls": CLIENT_CALLS},
+                {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    assert "(orphan)" not in strict.template(messages, tools=TOOLS)
+    assert strict.render_chat(messages, tools=TOOLS, answers=answers) == strict.render_chat(messages, tools=TOOLS)
