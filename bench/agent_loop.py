@@ -30,8 +30,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.compare import _common_prefix, p_stats, reset  # noqa: E402
-from bench.servers import Servers  # noqa: E402
+from bench.compare import _common_prefix, _delta, _phase_means, p_stats, reset  # noqa: E402
+from bench.servers import Servers, metrics  # noqa: E402
 from tests.e2e.agent import AGENT_SIM, system_prompt, tool_result, tools  # noqa: E402
 
 GPU = ["--prefill-ms-per-token", "0.1", "--decode-ms-per-token", "2", "--transfer-ms-per-block", "0.05",
@@ -103,6 +103,7 @@ class Agent:
 
 def run_arm(url: str, engines: list, prefills: int, agents: int, steps: int, sessions: bool) -> dict:
     reset(*engines)
+    before = metrics(url)
     run = uuid.uuid4().hex[:8]
     with ThreadPoolExecutor(agents) as pool:
         results = list(pool.map(lambda i: Agent(url, i, f"{run}-a{i}" if sessions else None).run(steps),
@@ -115,7 +116,7 @@ def run_arm(url: str, engines: list, prefills: int, agents: int, steps: int, ses
             "computed_later": stats["prompt_tokens_computed"] - first, "ideal_later": ideal,
             "last_prompt": statistics.fmean(len(r[-1].prompt_ids) for r in results),
             "loaded": stats["prompt_tokens_loaded"], "cached": stats["prompt_tokens_cached"],
-            "corrupt": stats["kv_reads_corrupt"],
+            "corrupt": stats["kv_reads_corrupt"], "phases": _phase_means(_delta(before, metrics(url))),
             "plans": sorted({s.plan for r in results for s in r[1:]})}
 
 
@@ -142,7 +143,8 @@ def report(arms: dict[str, dict], agents: int, steps: int, wall_s: float) -> tup
             "P read from D / own prefix cache (tokens)": [f"{a['loaded']} / {a['cached']}" for a in arms.values()],
             "mean last prompt (tokens)": [f"{a['last_prompt']:.0f}" for a in arms.values()],
             "plans, steps >= 2": [", ".join(a["plans"]) for a in arms.values()],
-            "corrupt KV reads": [str(a["corrupt"]) for a in arms.values()]}
+            "corrupt KV reads": [str(a["corrupt"]) for a in arms.values()],
+            "gateway phases, mean ms": [a["phases"] for a in arms.values()]}
     lines += [f"| {k} | " + " | ".join(v) + " |" for k, v in rows.items()]
     marks = sorted({0, 1, 4, 9, 19, steps - 1} & set(range(steps)))
     lines += ["", "TTFT by step (ms, mean over agents):", "", "| step | " + " | ".join(names) + " |",
