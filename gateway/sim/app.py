@@ -17,7 +17,7 @@ from litestar.response import Stream
 from gateway.sim import wire
 from gateway.sim.engine import Engine, KVLoadParked
 from gateway.sim.metrics import render_metrics
-from gateway.sim.render import Renderer
+from gateway.sim.render import Renderer, RenderError
 from gateway.sim.serving import Serving, SimRequestError
 from gateway.sim.settings import SimSettings
 from gateway.sim.transfer import KVHeartbeatRequest, KVNotifyRequest, KVReadRequest
@@ -92,8 +92,11 @@ def create_sim_app(settings: SimSettings) -> Litestar:
     async def tokenize(request: Request) -> Response:
         body = msgspec.json.decode(await request.body(), type=wire.TokenizeRequest)
         if body.messages is not None:
-            ids = renderer.render_chat(body.messages, add_generation_prompt=body.add_generation_prompt,
-                                       tools=body.tools, template_kwargs=body.chat_template_kwargs)
+            try:
+                ids = renderer.render_chat(body.messages, add_generation_prompt=body.add_generation_prompt,
+                                           tools=body.tools, template_kwargs=body.chat_template_kwargs)
+            except RenderError as exc:
+                raise SimRequestError(400, str(exc)) from exc
         else:
             ids = renderer.render_prompt(body.prompt or "")
         strs = renderer.token_strs(ids) if body.return_token_strs else None

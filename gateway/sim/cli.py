@@ -55,6 +55,11 @@ def parser() -> argparse.ArgumentParser:
     a("--transfer-ms-per-block", type=float, default=0.0)
     a("--max-num-seqs", type=int, default=256)
     a("--output-tokens", type=_range, default=(8, 40), help="natural answer length MIN:MAX tokens")
+    a("--enable-auto-tool-choice", action="store_true", help="let the model call tools (tool_choice auto)")
+    a("--tool-call-parser", choices=["hermes"], default=None, help="how tool calls are parsed (vLLM's hermes)")
+    a("--tool-call-rate", type=float, default=0.5, help="share of auto-tool-choice answers that call tools")
+    a("--tool-call-style", choices=["template", "varied"], default="template",
+      help="varied: some calls' JSON is compact, arguments-first or \\u-escaped (re-renders differently)")
     a("--version", default=DEFAULT_VERSION, help="version string reported at /version")
     a("--log-level", default="warning")
     return p
@@ -71,7 +76,9 @@ def settings_from(args: argparse.Namespace, port: int) -> SimSettings:
         canonical=not args.non_canonical, reasoning=args.reasoning,
         honour_prompt_token_ids=not args.no_prompt_token_ids, prefill_ms_per_token=args.prefill_ms_per_token,
         decode_ms_per_token=args.decode_ms_per_token, transfer_ms_per_block=args.transfer_ms_per_block,
-        max_num_seqs=args.max_num_seqs, output_tokens=args.output_tokens, version=args.version)
+        max_num_seqs=args.max_num_seqs, output_tokens=args.output_tokens, version=args.version,
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+        tool_call_rate=args.tool_call_rate, tool_call_style=args.tool_call_style)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator
 
 from gateway.sim.blocks import GARBAGE, BlockPool, PoolExhaustedError, Slot, block_hashes
 from gateway.sim.generate import Answer, Model, context_digest
+from gateway.sim.tools import ToolSpec
 from gateway.sim.handles import HandleTable
 from gateway.sim.kvload import KVSource, load_plan, parks
 from gateway.sim.render import Renderer
@@ -46,6 +47,7 @@ class EngineRequest:
     ignore_eos: bool = False
     seed: int | None = None
     stop: list[str] | None = None
+    tools: ToolSpec | None = None        # what the request lets the model call
 
 
 @dataclass
@@ -65,7 +67,8 @@ class Engine:
         self.pool = BlockPool(settings.num_blocks, settings.block_size, caching=settings.prefix_caching)
         self.handles = HandleTable(self.pool, self.stats)
         self.model = Model(renderer, output_tokens=settings.output_tokens, canonical=settings.canonical,
-                           reasoning=settings.reasoning)
+                           reasoning=settings.reasoning, tool_call_rate=settings.tool_call_rate,
+                           tool_call_style=settings.tool_call_style)
         self.kv = KVClient(settings.engine_id, settings.block_size)
         self.running = 0
         self.waiting = 0
@@ -185,7 +188,8 @@ class Engine:
             await asyncio.sleep(computed * self.settings.prefill_ms_per_token / 1000)
         slots = self._check(prompt, table)
         answer = self.model.answer(context_digest(slots), seed=req.seed, max_tokens=req.max_tokens,
-                                   min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop=req.stop)
+                                   min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop=req.stop,
+                                   tools=req.tools)
         return Running(req, table, len(hits), answer)
 
     async def _allocate(self, n: int) -> list[int]:

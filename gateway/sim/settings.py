@@ -47,6 +47,10 @@ class SimSettings(msgspec.Struct, kw_only=True, frozen=True):
     transfer_ms_per_block: float = 0.0
     max_num_seqs: int = 256
     output_tokens: tuple[int, int] = (8, 40)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None   # "hermes" (the only one simulated)
+    tool_call_rate: float = 0.5           # how often the model calls a tool when tool_choice is "auto"
+    tool_call_style: Literal["template", "varied"] = "template"
     version: str = DEFAULT_VERSION
 
     @property

@@ -8,6 +8,7 @@ from gateway.errors import InvalidRequestError, ModelNotFoundError
 from gateway.turns.context import COMPLETIONS_DEFAULT_MAX_TOKENS, ContextLimit, longest_token_chars
 from gateway.turns.request import Endpoint, TurnRequest
 from gateway.turns.render import Renderer
+from gateway.turns.tools import check_chat
 
 # Never forwarded: a client handle could point an engine at any host or another conversation's blocks.
 _STRIPPED = ("kv_transfer_params", "conversation_id", "session_id", "request_id")
@@ -35,6 +36,7 @@ class Intake:
         if len(req.messages) > self.max_messages:
             raise InvalidRequestError(f"at most {self.max_messages} messages are accepted", param="messages")
         model = self.model_for(req.model)
+        check_chat(body)
         template = dict(tools=body.get("tools"), add_generation_prompt=req.add_generation_prompt,
                         continue_final_message=req.continue_final_message,
                         chat_template_kwargs=req.chat_template_kwargs)
