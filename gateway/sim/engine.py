@@ -22,9 +22,9 @@ from gateway.sim.render import Renderer
 from gateway.sim.settings import SimSettings
 from gateway.sim.stats import SimStats
 from gateway.sim.transfer import KVClient, TransferError
+from gateway.sim.waiting import BlockQueue, Grant
 
 EXPIRY_TICK_S = 0.2
-POOL_RETRY_S = 0.01
 
 
 class KVLoadError(Exception):
@@ -66,6 +66,7 @@ class Engine:
         self.stats = SimStats()
         self.pool = BlockPool(settings.num_blocks, settings.block_size, caching=settings.prefix_caching)
         self.handles = HandleTable(self.pool, self.stats)
+        self.block_queue = BlockQueue(self.pool, self.stats)
         self.model = Model(renderer, output_tokens=settings.output_tokens, canonical=settings.canonical,
                            reasoning=settings.reasoning, tool_call_rate=settings.tool_call_rate,
                            tool_call_style=settings.tool_call_style)
@@ -90,7 +91,7 @@ class Engine:
     def reset(self) -> None:
         self.handles.clear()
         self.pool.reset_cache()
-        self.stats = self.handles.stats = SimStats()
+        self.stats = self.handles.stats = self.block_queue.stats = SimStats()
 
     # -- the request's life ---------------------------------------------------------------------------
     def source(self, params: dict[str, Any] | None) -> KVSource | None:
@@ -142,6 +143,7 @@ class Engine:
         params, prompt = run.req.kv_params, run.req.prompt
         kv_len = len(prompt) + len(run.answer.token_ids) - 1  # the last sampled token has no KV
         if not self._extend(run, kv_len):
+            self.stats.holds_skipped_no_blocks += 1
             self.pool.release(run.table)
             return None
         if self.settings.role == "prefill" and params and params.get("do_remote_decode"):
@@ -163,14 +165,9 @@ class Engine:
     async def _prefill(self, req: EngineRequest, source: KVSource | None) -> Running:
         prompt, bs = req.prompt, self.bs
         hashes = block_hashes(prompt, bs, req.cache_salt)
-        hits = self.pool.match_prefix(hashes)[: (len(prompt) - 1) // bs]  # the last token is always computed
-        self.pool.touch(hits)
-        try:
-            fresh = await self._allocate(-(-len(prompt) // bs) - len(hits))
-        except BaseException:
-            self.pool.release(hits)
-            raise
-        table, cached = hits + fresh, len(hits) * bs
+        table, num_hits = await self._allocate(prompt, hashes)
+        hits = table[:num_hits]
+        cached = num_hits * bs
         try:
             loaded = await self._load(req, source, cached)
         except BaseException:
@@ -192,15 +189,29 @@ class Engine:
                                    tools=req.tools)
         return Running(req, table, len(hits), answer)
 
-    async def _allocate(self, n: int) -> list[int]:
-        """Blocks for a prompt; when the pool is full the request waits, as vLLM's scheduler keeps it queued."""
-        if n > len(self.pool.blocks):
-            raise PoolExhaustedError(f"the prompt needs {n} KV blocks, the engine has {len(self.pool.blocks)}")
-        while True:
-            try:
-                return self.pool.allocate(n)
-            except PoolExhaustedError:
-                await asyncio.sleep(POOL_RETRY_S)
+    async def _allocate(self, prompt: list[int], hashes: list[bytes]) -> Grant:
+        """The prompt's blocks (prefix-cache hits, then fresh ones). When they do not fit the request waits,
+        counted as waiting, not running, as vLLM's scheduler keeps it in its waiting queue."""
+        if -(-len(prompt) // self.bs) > len(self.pool.blocks):
+            raise PoolExhaustedError(f"the prompt needs {-(-len(prompt) // self.bs)} KV blocks, "
+                                     f"the engine has {len(self.pool.blocks)}")
+
+        def attempt() -> Grant | None:
+            hits = self.pool.match_prefix(hashes)[: (len(prompt) - 1) // self.bs]  # the last token is computed
+            fresh = -(-len(prompt) // self.bs) - len(hits)
+            if not self.pool.can_take(hits, fresh):
+                return None
+            self.pool.touch(hits)
+            return hits + self.pool.allocate(fresh), len(hits)
+
+        grant = self.block_queue.try_now(attempt)
+        if grant is not None:
+            return grant
+        self.running, self.waiting = self.running - 1, self.waiting + 1
+        try:
+            return await self.block_queue.wait(attempt)
+        finally:
+            self.running, self.waiting = self.running + 1, self.waiting - 1
 
     async def _load(self, req: EngineRequest, source: KVSource | None, cached: int) -> dict[int, Slot]:
         """KV for prompt positions read from the holder, by position; empty when nothing is read."""

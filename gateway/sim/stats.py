@@ -30,3 +30,7 @@ class SimStats(msgspec.Struct, kw_only=True):
     handles_expired: int = 0  # leases and pins that ran out unread
     handles_double_read: int = 0  # reads/notifications of an already spent (or unknown) handle
     handles_read_after_expiry: int = 0  # reads/notifications of an expired handle (stale memory)
+    requests_waited_for_blocks: int = 0  # queued because the pool had too few free blocks (vLLM: stays waiting)
+    block_wait_seconds_total: float = 0.0  # summed over those requests, from queueing to admission (or leaving)
+    block_wait_seconds_max: float = 0.0
+    holds_skipped_no_blocks: int = 0  # finished without a handle: no free block for the answer's KV
