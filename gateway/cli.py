@@ -25,6 +25,7 @@ HELP = {
     "decoder_kv_blocks_ttl_s": "D's decoder_kv_blocks_ttl: how long D pins a finished turn's KV",
     "handle_ttl_margin_s": "stop using a D handle this long before D unpins it",
     "conversation_ttl_s": "forget a conversation this long after its last turn",
+    "decode_pin_budget": "fraction of each D's KV blocks the stored handles may pin; over it the least recently used idle ones are released (0: off, TTL only)",
     "stream_handle_policy": "when D streams without its handle: miss (count it) or buffer (non-streamed D leg, re-streamed)",
     "history_tokens": "rendered (default) or generated",
     "decode_load_bound": "outstanding requests above which a conversation leaves its D",
