@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Annotated, Any, AsyncIterator
 
 import msgspec
 from litestar import Litestar, MediaType, Request, Response, get, post
@@ -43,6 +43,10 @@ def _error(_: Request, exc: Exception) -> Response:
 async def _until_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+class ResetRequest(msgspec.Struct):
+    num_blocks: Annotated[int, msgspec.Meta(ge=1)] | None = None  # resize the KV pool (benchmark sweeps)
 
 
 TIMING_FIELDS = ("prefill_ms_per_token", "decode_ms_per_token", "transfer_ms_per_block")
@@ -145,16 +149,20 @@ def create_sim_app(settings: SimSettings) -> Litestar:
                       "waiting": engine.waiting})
 
     @post("/sim/reset", status_code=200)
-    async def reset() -> Response:
-        engine.reset()
-        return _json({"ok": True})
+    async def reset(request: Request) -> Response:
+        try:
+            body = msgspec.json.decode(await request.body() or b"{}", type=ResetRequest)
+        except msgspec.DecodeError as exc:
+            return _json(wire.error_body(str(exc), 400), 400)
+        engine.reset(body.num_blocks)
+        return _json({"ok": True, "num_blocks": engine.settings.num_blocks})
 
     @post("/sim/kv/read", status_code=200)
     async def kv_read(request: Request) -> Response:
         body = msgspec.json.decode(await request.body(), type=KVReadRequest)
         if body.engine_id != settings.engine_id or body.block_size != settings.block_size:
             return _json(wire.error_body("handshake refused: engine id or block size mismatch", 400), 409)
-        if any(not 0 <= i < settings.num_blocks for i in body.block_ids):
+        if any(not 0 <= i < engine.settings.num_blocks for i in body.block_ids):
             return _json(wire.error_body("block id out of range", 400), 400)
         blocks = [list(engine.pool.blocks[i].slots) for i in body.block_ids]  # copied before they are freed
         claim = engine.handles.claim(body.request_id)

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+import msgspec
+
 from gateway.sim.blocks import GARBAGE, BlockPool, PoolExhaustedError, Slot, block_hashes
 from gateway.sim.generate import Answer, Model, context_digest
 from gateway.sim.tools import ToolSpec
@@ -88,10 +90,18 @@ class Engine:
                 await self._ticker
         await self.kv.close()
 
-    def reset(self) -> None:
+    def reset(self, num_blocks: int | None = None) -> None:
+        """Forget handles, cache and counters; with `num_blocks`, also resize the KV pool (benchmarks sweep it).
+        Only between runs: a request in flight would keep blocks of the old pool."""
         self.handles.clear()
         self.pool.reset_cache()
-        self.stats = self.handles.stats = self.block_queue.stats = SimStats()
+        self.stats = SimStats()
+        if num_blocks is not None and num_blocks != self.settings.num_blocks:
+            self.settings = msgspec.structs.replace(self.settings, num_blocks=num_blocks)
+            self.pool = BlockPool(num_blocks, self.bs, caching=self.settings.prefix_caching)
+            self.handles = HandleTable(self.pool, self.stats)
+            self.block_queue = BlockQueue(self.pool, self.stats)
+        self.handles.stats = self.block_queue.stats = self.stats
 
     # -- the request's life ---------------------------------------------------------------------------
     def source(self, params: dict[str, Any] | None) -> KVSource | None:
@@ -217,7 +227,8 @@ class Engine:
         """KV for prompt positions read from the holder, by position; empty when nothing is read."""
         if source is None:
             return {}
-        plan = load_plan(source, len(req.prompt), cached, self.bs, self.settings.recompute_threshold)
+        plan = load_plan(source, len(req.prompt), cached, self.bs, self.settings.recompute_threshold,
+                         margin_s=self.settings.expiry_margin_s)
         if plan.declined:
             self.stats.kv_reads_declined += 1
             if self.settings.kv_load_failure_policy == "recompute":

@@ -59,3 +59,14 @@ def test_full_d_makes_a_request_wait_until_a_pin_is_released(sims: Sims, fleet: 
         stats = sims.stats(d)
         assert stats["requests_waited_for_blocks"] == 1 and stats["block_wait_seconds_max"] >= 0.3
         assert stats["waiting"] == 0 and stats["kv_reads_corrupt"] == 0
+
+
+def test_reset_can_resize_the_pool_and_refuses_a_bad_size(sims: Sims) -> None:
+    with running("--role", "colocated", "--num-blocks", "200") as c:
+        resp = sims.post(c, "/sim/reset", {"num_blocks": 8})
+        assert resp.status_code == 200 and resp.json()["num_blocks"] == 8
+        assert 'num_gpu_blocks="8"' in sims.http.get(c.url + "/metrics").text
+        sims.chat(c, [user("short")], max_tokens=4)                      # fits in 8 blocks
+        assert sims.raw_chat(c, {"messages": [user(long_text(200, "big"))]}).status_code == 400  # never fits
+        assert sims.post(c, "/sim/reset", {"num_blocks": 0}).status_code == 400
+        assert sims.post(c, "/sim/reset", {}).json()["num_blocks"] == 8   # no size: kept
