@@ -2,6 +2,7 @@
 
     python bench/pressure.py            # full sizes; writes bench/PRESSURE.md and bench/pressure.png
     python bench/pressure.py --quick    # small sizes, under 3 minutes (same files; --out - writes none)
+    python bench/pressure.py --quick --out /tmp/p.md   # tables in /tmp/p.md, the curve in /tmp/pressure.png
 
 1. Many idle conversations over 1 P + 1 D whose KV holds about 10 % of their history. Time is compressed by one
    factor everywhere it is a setting: D's `decoder_kv_blocks_ttl`, the reader's expiry margin, the gateway's TTL
@@ -68,16 +69,18 @@ class Sizes:
     sweep_new: int
     sweep_output: tuple[int, int]
     ratios: tuple[float, ...]   # P's KV / the sweep's working set
+    sweep_think_s: float        # mean think time (uniform in 0..2x): below saturation, TTFT is per-turn cost
     decode_ms_per_token: float
 
 
 FULL = Sizes(idle_conversations=2000, idle_turns=4, idle_history=256, idle_new=48, idle_output=(16, 48), factor=20,
              idle_duration_s=240, d_share=0.10, sweep_conversations=32, sweep_turns=6, sweep_history=1000,
-             sweep_new=100, sweep_output=(100, 200), ratios=(0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0),
+             sweep_new=100, sweep_output=(100, 200), ratios=(0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0), sweep_think_s=2.0,
              decode_ms_per_token=10)
 QUICK = Sizes(idle_conversations=64, idle_turns=3, idle_history=256, idle_new=48, idle_output=(16, 48), factor=100,
               idle_duration_s=20, d_share=0.10, sweep_conversations=16, sweep_turns=4, sweep_history=1000,
-              sweep_new=100, sweep_output=(100, 160), ratios=(0.1, 0.5, 2.0), decode_ms_per_token=0.5)
+              sweep_new=100, sweep_output=(100, 160), ratios=(0.1, 0.5, 2.0), sweep_think_s=0.5,
+              decode_ms_per_token=0.5)
 
 
 def cost(sizes: Sizes, output: tuple[int, int]) -> list[str]:
@@ -183,7 +186,7 @@ def _history_blocks(run: RunResult, output: tuple[int, int]) -> int:
 # -- 2. working set vs P's cache -------------------------------------------------------------------------------
 def sweep_workload(sizes: Sizes) -> Workload:
     return Workload(conversations=sizes.sweep_conversations, turns=sizes.sweep_turns, new_tokens=sizes.sweep_new,
-                    history_tokens=sizes.sweep_history, seed=7)
+                    history_tokens=sizes.sweep_history, think_s=sizes.sweep_think_s, seed=7)
 
 
 def sweep_specs(sizes: Sizes) -> tuple[list, dict[float, int]]:
@@ -207,6 +210,7 @@ def run_sweep(sweep: dict, sizes: Sizes) -> dict:
         for arm, target in sweep["targets"].items():
             resize(p, p_blocks)
             reset(d)
+            before = metrics(sweep["gateway"].url) if arm == GATEWAY else {}
             run = loadgen.arun(loadgen.run(target, replace(w, sessions=arm != STATELESS),
                                            concurrency=w.conversations))
             ps, ds = get_json(p.url + "/sim/stats"), get_json(d.url + "/sim/stats")
@@ -218,7 +222,8 @@ def run_sweep(sweep: dict, sizes: Sizes) -> dict:
                                "p_computed_per_turn": ps["prompt_tokens_computed"] / max(1, len(run.ok)),
                                "p_waits": ps["requests_waited_for_blocks"],
                                "corrupt": ps["kv_reads_corrupt"] + ds["kv_reads_corrupt"],
-                               "history_blocks": _history_blocks(run, sizes.sweep_output)}
+                               "history_blocks": _history_blocks(run, sizes.sweep_output),
+                               "phases": _phase_means(before, metrics(sweep["gateway"].url)) if before else ""}
     return out
 
 
@@ -234,6 +239,18 @@ def resize(engine, num_blocks: int) -> None:
     req = urllib.request.Request(engine.url + "/sim/reset", data=body, method="POST",
                                  headers={"Content-Type": "application/json"})
     urllib.request.urlopen(req, timeout=10).read()
+
+
+def _phase_means(before: dict, after: dict) -> str:
+    """pd-gateway's own phase means in ms (its pdgw_turn_seconds): where its turns' time went."""
+    out = []
+    for phase in ("intake", "plan", "prefill", "decode_ttft"):
+        key = f'{{phase="{phase}"}}'
+        count = after.get(f"pdgw_turn_seconds_count{key}", 0.0) - before.get(f"pdgw_turn_seconds_count{key}", 0.0)
+        total = after.get(f"pdgw_turn_seconds_sum{key}", 0.0) - before.get(f"pdgw_turn_seconds_sum{key}", 0.0)
+        if count:
+            out.append(f"{phase} {total / count * 1e3:.1f}")
+    return ", ".join(out)
 
 
 def _delta(before: dict, after: dict) -> dict:
@@ -264,7 +281,7 @@ def start(s: Servers, sizes: Sizes, notes: list[str]) -> tuple[IdleSetup, dict]:
                      "/metrics): the budget arm was not run and `budget_p99_ms` reports the TTL-only arm")
     sp_, sd_ = engines["ip_stateless"], engines["id_stateless"]
     targets[STATELESS] = (OpenAITarget(s.router([sp_], [sd_]).url), None, sp_, sd_)
-    sweep = {"p": sp, "d": sd, "p_blocks": p_blocks,
+    sweep = {"p": sp, "d": sd, "p_blocks": p_blocks, "gateway": gateway,
              "targets": {GATEWAY: OpenAITarget(gateway.url), STATELESS: OpenAITarget(s.router([sp], [sd]).url),
                          NAIVE: OpenAITarget(s.naive([sp], [sd]).url)}}
     return IdleSetup(ttl, d_blocks, history, targets, wired), sweep
@@ -302,7 +319,7 @@ def report(args, sizes: Sizes, idle: IdleSetup, idle_out: dict, sweep: dict, not
     lines += ["", "## 2. Working set vs P's cache, 1 P + 1 D (D large)", "",
               f"{wl.conversations} conversations at once, {wl.turns} turns, a {sizes.sweep_history}-token system "
               f"prompt, ~{wl.new_tokens} new tokens per question, answers {sizes.sweep_output[0]}-"
-              f"{sizes.sweep_output[1]} tokens, no think time; same cost model. Working set = the conversations' "
+              f"{sizes.sweep_output[1]} tokens, think time uniform in 0-{2 * sizes.sweep_think_s:g} s; same cost model. Working set = the conversations' "
               "history at their end, measured (last prompt + a mean answer, in blocks). P's cache is P's whole KV "
               "(a prompt in flight holds its blocks too).", "",
               "| P KV / working set | set-up | mean TTFT later turns ms | p50 | p99 | P computed per turn | "
@@ -313,6 +330,9 @@ def report(args, sizes: Sizes, idle: IdleSetup, idle_out: dict, sweep: dict, not
             lines.append(f"| {_ratio(point, ratio)} | {arm} | {r['mean_ms']:.1f} | {r['p50_ms']:.1f} | "
                          f"{r['p99_ms']:.1f} | {r['p_computed_per_turn']:.0f} | {r['p_waits']} | {r['errors']} | "
                          f"{r['corrupt']} |")
+    lines += ["", "pd-gateway's own phase means, ms (`pdgw_turn_seconds`; prefill = the P leg, decode_ttft = D's leg "
+              "to its first event): " + "; ".join(f"{_ratio(point, ratio)}: {point[GATEWAY]['phases']}"
+                                                  for ratio, point in sweep.items())]
     gain = _gain(sweep)
     if png:
         lines += ["", f"![TTFT and P's computed tokens vs P's cache]({png})"]
@@ -387,8 +407,8 @@ def main(argv: list[str] | None = None) -> str:
         sweep = run_sweep(sweep_setup, sizes)
         phases["P cache sweep"] = time.perf_counter() - t
     notes.append("phase wall times: " + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items()))
-    png = None
-    if args.out != "-" and plot(sweep, HERE / "pressure.png"):
+    png = None                       # the curve goes next to the tables, linked by a relative path
+    if args.out != "-" and plot(sweep, Path(args.out).with_name("pressure.png")):
         png = "pressure.png"
     text, final = report(args, sizes, idle, idle_out, sweep, notes, time.perf_counter() - began, png)
     if args.out != "-":
