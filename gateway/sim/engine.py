@@ -197,7 +197,24 @@ class Engine:
         answer = self.model.answer(context_digest(slots), seed=req.seed, max_tokens=req.max_tokens,
                                    min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop=req.stop,
                                    tools=req.tools)
+        try:
+            table += await self._answer_blocks(len(prompt) + len(answer.token_ids) - 1 - len(table) * bs)
+        except BaseException:
+            self.pool.release(table)
+            raise
         return Running(req, table, len(hits), answer)
+
+    async def _answer_blocks(self, tokens: int) -> list[int]:
+        """Blocks for the answer's KV, taken before decoding. vLLM allocates them step by step and serves its
+        running requests before its waiting ones (preempting the newest when none are free): here a running
+        request goes to the head of the queue and waits there instead."""
+        n = -(-tokens // self.bs) if tokens > 0 else 0
+
+        def attempt() -> Grant | None:
+            return (self.pool.allocate(n), 0) if n <= self.pool.num_free else None
+
+        grant = attempt() or await self.block_queue.wait(attempt, first=True)
+        return grant[0]
 
     async def _allocate(self, prompt: list[int], hashes: list[bytes]) -> Grant:
         """The prompt's blocks (prefix-cache hits, then fresh ones). When they do not fit the request waits,

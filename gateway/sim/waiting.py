@@ -41,10 +41,14 @@ class BlockQueue:
         """Blocks at once, only if nobody is queued ahead (FCFS) and they fit."""
         return attempt() if not self._waiters else None
 
-    async def wait(self, attempt: Attempt) -> Grant:
-        """Queue until the blocks are granted; a cancelled waiter leaves the queue (or gives its grant back)."""
+    async def wait(self, attempt: Attempt, *, first: bool = False) -> Grant:
+        """Queue until the blocks are granted; a cancelled waiter leaves the queue (or gives its grant back).
+        `first`: a running request's blocks, served before every waiting request's."""
         waiter = _Waiter(attempt, asyncio.get_running_loop().create_future())
-        self._waiters.append(waiter)
+        if first:
+            self._waiters.appendleft(waiter)
+        else:
+            self._waiters.append(waiter)
         self.stats.requests_waited_for_blocks += 1
         began = time.monotonic()
         try:

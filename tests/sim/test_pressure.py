@@ -55,7 +55,7 @@ def test_full_d_makes_a_request_wait_until_a_pin_is_released(sims: Sims, fleet: 
             assert not waiter.is_alive() and time.monotonic() - released < 2
         finally:
             waiter.join(timeout=10)
-        assert done["choices"][0]["message"]["content"]
+        assert done["choices"][0]["message"]["content"] and done["kv_transfer_params"] is not None  # pinned too
         stats = sims.stats(d)
         assert stats["requests_waited_for_blocks"] == 1 and stats["block_wait_seconds_max"] >= 0.3
         assert stats["waiting"] == 0 and stats["kv_reads_corrupt"] == 0

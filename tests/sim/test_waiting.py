@@ -93,3 +93,18 @@ async def test_a_grant_cancelled_before_it_runs_is_given_back(setup) -> None:
     waiter.cancel()                                           # ... and cancelled before it resumed
     await settle()
     assert waiter.cancelled() and pool.num_free == 4
+
+
+async def test_a_running_requests_blocks_go_before_the_waiting_ones(setup) -> None:
+    pool, _, queue = setup
+    held = pool.allocate(4)
+    waiting = asyncio.create_task(queue.wait(taking(pool, 1)))
+    await settle()
+    running = asyncio.create_task(queue.wait(taking(pool, 1), first=True))   # its answer's block
+    await settle()
+    pool.release(held[:1])
+    await settle()
+    assert running.done() and not waiting.done()
+    pool.release(held[1:])
+    await settle()
+    assert waiting.done()
