@@ -393,6 +393,8 @@ def main(argv: list[str] | None = None) -> str:
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     sizes = QUICK if args.quick else FULL
+    if args.out != "-":
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
     notes: list[str] = []
     phases: dict[str, float] = {}
