@@ -50,7 +50,7 @@ def test_summary_line_counts_every_arm_and_reports_the_ttl_only_arm_when_no_budg
                    NAIVE: _arm(11.0)}}
     idle_out = {NOBUDGET: _idle(900.0, errors=3), STATELESS: _idle(40.0)}
     setup = IdleSetup(4.8, 100, 1000, {}, budget_wired=False)
-    args = argparse.Namespace(argv=["--quick"])
+    args = argparse.Namespace(argv=["--quick"], load="0.10 0.20 0.30")
     text, final = pressure.report(args, pressure.QUICK, setup, idle_out, sweep, ["a note"], 1.0, None)
     match = FINAL.match(final)
     assert match, final
