@@ -160,6 +160,7 @@ def run_idle(setup: IdleSetup, sizes: Sizes) -> dict:
                     "later": len(later), "wall_s": run.wall_s,
                     "d_waits": ds["requests_waited_for_blocks"], "d_wait_s": ds["block_wait_seconds_total"],
                     "d_wait_max_s": ds["block_wait_seconds_max"], "d_holds_skipped": ds["holds_skipped_no_blocks"],
+                    "d_preempted": ds["requests_preempted"],
                     "reuse": (ps["prompt_tokens_loaded"] + ps["prompt_tokens_cached"]) / prompt if prompt else 0.0,
                     "p_computed": ps["prompt_tokens_computed"],
                     "corrupt": ps["kv_reads_corrupt"] + ds["kv_reads_corrupt"],
@@ -308,11 +309,11 @@ def report(args, sizes: Sizes, idle: IdleSetup, idle_out: dict, sweep: dict, not
               f"history ({measured} blocks, measured). No new turn starts after {sizes.idle_duration_s:g} s. "
               "The arms ran at the same time on their own engines.", "",
               "| arm | turns | errors | TTFT p50 later turns ms | p99 ms | D waits for blocks | D time waited s "
-              "(total / max) | D answers without a handle (no free block) | P reuse (loaded + cached) | P computed | "
+              "(total / max) | D preemptions (no block for an answer) | P reuse (loaded + cached) | P computed | "
               "corrupt | plans |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm, r in idle_out.items():
         lines.append(f"| {arm} | {r['turns']} | {r['errors']} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
-                     f"{r['d_waits']} | {r['d_wait_s']:.1f} / {r['d_wait_max_s']:.1f} | {r['d_holds_skipped']} | "
+                     f"{r['d_waits']} | {r['d_wait_s']:.1f} / {r['d_wait_max_s']:.1f} | {r['d_preempted']} | "
                      f"{r['reuse']:.0%} | "
                      f"{r['p_computed']} | {r['corrupt']} | {r['plans'] or '—'} |")
     errors = [f"{arm}: {r['error_sample']}" for arm, r in idle_out.items() if r["error_sample"]]

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, AsyncIterator
 
 import msgspec
@@ -197,46 +198,66 @@ class Engine:
         answer = self.model.answer(context_digest(slots), seed=req.seed, max_tokens=req.max_tokens,
                                    min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop=req.stop,
                                    tools=req.tools)
+        table, num_hits = await self._with_answer_blocks(req, table, num_hits, hashes, len(answer.token_ids))
+        return Running(req, table, num_hits, answer)
+
+    async def _with_answer_blocks(self, req: EngineRequest, table: list[int], num_hits: int, hashes: list[bytes],
+                                  answer_len: int) -> Grant:
+        """Blocks for the answer's KV too, taken before decoding (vLLM takes them step by step, running requests
+        before waiting ones). None free: the request is preempted as vLLM does it, by recompute: its blocks go
+        back (its prompt's stay in the prefix cache), it waits at the head of the queue for prompt and answer
+        blocks together, and recomputes locally whatever the cache lost meanwhile. Owns `table`: on any
+        failure it releases what it holds."""
+        prompt, bs = req.prompt, self.bs
+        total = -(-(len(prompt) + answer_len - 1) // bs)
+        extra = total - len(table)
+        if extra <= 0 or total > len(self.pool.blocks):
+            return table, num_hits                  # nothing to add, or never fits: no handle at the finish
+        if extra <= self.pool.num_free:
+            return table + self.pool.allocate(extra), num_hits
+        self.stats.requests_preempted += 1
+        table, num_hits = await self._queued(self._attempt(prompt, hashes, total), first=True, giving_back=table)
         try:
-            table += await self._answer_blocks(len(prompt) + len(answer.token_ids) - 1 - len(table) * bs)
+            recomputed = 0
+            for i in range(num_hits, -(-len(prompt) // bs)):
+                block = self.pool.blocks[table[i]]
+                block.slots = [(prompt[p], p) for p in range(i * bs, min((i + 1) * bs, len(prompt)))]
+                recomputed += len(block.slots)
+                if i < len(hashes):
+                    self.pool.commit(table[i], hashes[i])
+            self.stats.prompt_tokens_computed += recomputed
+            if self.settings.prefill_ms_per_token and recomputed:
+                await asyncio.sleep(recomputed * self.settings.prefill_ms_per_token / 1000)
         except BaseException:
             self.pool.release(table)
             raise
-        return Running(req, table, len(hits), answer)
+        return table, num_hits
 
-    async def _answer_blocks(self, tokens: int) -> list[int]:
-        """Blocks for the answer's KV, taken before decoding. vLLM allocates them step by step and serves its
-        running requests before its waiting ones (preempting the newest when none are free): here a running
-        request goes to the head of the queue and waits there instead."""
-        n = -(-tokens // self.bs) if tokens > 0 else 0
-
-        def attempt() -> Grant | None:
-            return (self.pool.allocate(n), 0) if n <= self.pool.num_free else None
-
-        grant = attempt() or await self.block_queue.wait(attempt, first=True)
-        return grant[0]
-
-    async def _allocate(self, prompt: list[int], hashes: list[bytes]) -> Grant:
-        """The prompt's blocks (prefix-cache hits, then fresh ones). When they do not fit the request waits,
-        counted as waiting, not running, as vLLM's scheduler keeps it in its waiting queue."""
-        if -(-len(prompt) // self.bs) > len(self.pool.blocks):
-            raise PoolExhaustedError(f"the prompt needs {-(-len(prompt) // self.bs)} KV blocks, "
-                                     f"the engine has {len(self.pool.blocks)}")
-
+    def _attempt(self, prompt: list[int], hashes: list[bytes], total: int) -> Callable[[], Grant | None]:
+        """Take `total` blocks for the request, its prefix-cache hits first, if they fit now; else take nothing."""
         def attempt() -> Grant | None:
             hits = self.pool.match_prefix(hashes)[: (len(prompt) - 1) // self.bs]  # the last token is computed
-            fresh = -(-len(prompt) // self.bs) - len(hits)
+            fresh = total - len(hits)
             if not self.pool.can_take(hits, fresh):
                 return None
             self.pool.touch(hits)
             return hits + self.pool.allocate(fresh), len(hits)
+        return attempt
 
-        grant = self.block_queue.try_now(attempt)
-        if grant is not None:
-            return grant
+    async def _allocate(self, prompt: list[int], hashes: list[bytes]) -> Grant:
+        """The prompt's blocks (prefix-cache hits, then fresh ones). When they do not fit the request waits."""
+        total = -(-len(prompt) // self.bs)
+        if total > len(self.pool.blocks):
+            raise PoolExhaustedError(f"the prompt needs {total} KV blocks, the engine has {len(self.pool.blocks)}")
+        attempt = self._attempt(prompt, hashes, total)
+        return self.block_queue.try_now(attempt) or await self._queued(attempt)
+
+    async def _queued(self, attempt: Callable[[], Grant | None], *, first: bool = False,
+                      giving_back: list[int] | None = None) -> Grant:
+        """Wait in the queue, counted as waiting, not running, as vLLM's scheduler keeps it in its waiting queue."""
         self.running, self.waiting = self.running - 1, self.waiting + 1
         try:
-            return await self.block_queue.wait(attempt)
+            return await self.block_queue.wait(attempt, first=first, giving_back=giving_back)
         finally:
             self.running, self.waiting = self.running + 1, self.waiting - 1
 

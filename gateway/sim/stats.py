@@ -33,4 +33,5 @@ class SimStats(msgspec.Struct, kw_only=True):
     requests_waited_for_blocks: int = 0  # queued because the pool had too few free blocks (vLLM: stays waiting)
     block_wait_seconds_total: float = 0.0  # summed over those requests, from queueing to admission (or leaving)
     block_wait_seconds_max: float = 0.0
+    requests_preempted: int = 0  # no free block for the answer: blocks given back, recomputed later (vLLM)
     holds_skipped_no_blocks: int = 0  # finished without a handle: no free block for the answer's KV

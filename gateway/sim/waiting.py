@@ -41,14 +41,17 @@ class BlockQueue:
         """Blocks at once, only if nobody is queued ahead (FCFS) and they fit."""
         return attempt() if not self._waiters else None
 
-    async def wait(self, attempt: Attempt, *, first: bool = False) -> Grant:
+    async def wait(self, attempt: Attempt, *, first: bool = False, giving_back: list[int] | None = None) -> Grant:
         """Queue until the blocks are granted; a cancelled waiter leaves the queue (or gives its grant back).
-        `first`: a running request's blocks, served before every waiting request's."""
+        `first`: a preempted running request, served before every waiting one; `giving_back`: the blocks it
+        frees as it queues (released once it is queued, so that they wait for it, not for the ones behind)."""
         waiter = _Waiter(attempt, asyncio.get_running_loop().create_future())
         if first:
             self._waiters.appendleft(waiter)
         else:
             self._waiters.append(waiter)
+        if giving_back:
+            self.pool.release(giving_back)
         self.stats.requests_waited_for_blocks += 1
         began = time.monotonic()
         try:

@@ -34,7 +34,8 @@ def _arm(mean: float, errors: int = 0, corrupt: int = 0) -> dict:
 
 def _idle(p99: float, errors: int = 0) -> dict:
     return {"turns": 10, "errors": errors, "error_sample": "", "p50_ms": 1.0, "p99_ms": p99, "later": 5,
-            "wall_s": 1.0, "d_waits": 0, "d_wait_s": 0.0, "d_wait_max_s": 0.0, "d_holds_skipped": 0, "reuse": 0.5,
+            "wall_s": 1.0, "d_waits": 0, "d_wait_s": 0.0, "d_wait_max_s": 0.0, "d_holds_skipped": 0, "d_preempted": 0,
+            "reuse": 0.5,
             "p_computed": 1, "corrupt": 0, "plans": "", "history_blocks": 1000}
 
 

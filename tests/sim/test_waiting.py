@@ -108,3 +108,28 @@ async def test_a_running_requests_blocks_go_before_the_waiting_ones(setup) -> No
     pool.release(held[1:])
     await settle()
     assert waiting.done()
+
+
+async def test_no_block_for_the_answer_preempts_by_recompute_then_resumes() -> None:
+    """vLLM preempts a running request whose next block does not fit: its blocks go back, it waits at the head
+    of the queue and recomputes what the prefix cache lost. The oracle still sees the right KV."""
+    from gateway.sim.engine import Engine, EngineRequest
+    from gateway.sim.render import Renderer
+    from gateway.sim.settings import SimSettings
+
+    engine = Engine(SimSettings(role="colocated", num_blocks=10, block_size=16, output_tokens=(40, 40)),
+                    Renderer("builtin:demo", None))
+    held = engine.pool.allocate(8)                  # two free: the prompt's, none for the answer
+    prompt = list(range(100, 132))                  # two blocks
+    admitted = asyncio.create_task(engine.admit(EngineRequest("r1", prompt, max_tokens=40)))
+    await settle()
+    assert not admitted.done() and engine.stats.requests_preempted == 1 and engine.waiting == 1
+    engine.pool.release(held)
+    run = await asyncio.wait_for(admitted, 5)
+    need = -(-(len(prompt) + len(run.answer.token_ids) - 1) // 16)
+    assert len(run.table) == need and engine.waiting == 0 and engine.running == 1
+    assert engine.stats.prompt_tokens_computed == 32 + 16        # again its last block (a last token always is)
+    assert engine.stats.kv_reads_corrupt == 0
+    assert [token async for token in engine.decode(run)] == run.answer.token_ids
+    engine.finish(run)
+    assert engine.pool.in_use == 0 and engine.stats.holds_skipped_no_blocks == 0
