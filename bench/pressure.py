@@ -333,6 +333,9 @@ def report(args, sizes: Sizes, idle: IdleSetup, idle_out: dict, sweep: dict, not
             lines.append(f"| {_ratio(point, ratio)} | {arm} | {r['mean_ms']:.1f} | {r['p50_ms']:.1f} | "
                          f"{r['p99_ms']:.1f} | {r['p_computed_per_turn']:.0f} | {r['p_waits']} | {r['errors']} | "
                          f"{r['corrupt']} |")
+    lines += [""] + [f"- first error, {_ratio(point, ratio)}, {arm}: {point[arm]['error_sample']}"
+                     for ratio, point in sweep.items() for arm in (GATEWAY, STATELESS, NAIVE)
+                     if point[arm]["error_sample"]]
     lines += ["", "pd-gateway's own phase means, ms (`pdgw_turn_seconds`; prefill = the P leg, decode_ttft = D's leg "
               "to its first event): " + "; ".join(f"{_ratio(point, ratio)}: {point[GATEWAY]['phases']}"
                                                   for ratio, point in sweep.items())]
