@@ -164,6 +164,7 @@ def run_idle(setup: IdleSetup, sizes: Sizes) -> dict:
                     "reuse": (ps["prompt_tokens_loaded"] + ps["prompt_tokens_cached"]) / prompt if prompt else 0.0,
                     "p_computed": ps["prompt_tokens_computed"],
                     "corrupt": ps["kv_reads_corrupt"] + ds["kv_reads_corrupt"],
+                    "kv_failures": ps["kv_load_failures"] + ds["kv_load_failures"],
                     "plans": _plans(_delta(before[arm], metrics(gw.url))) if gw else "",
                     "history_blocks": _history_blocks(run, sizes.idle_output)}
     return out
@@ -223,6 +224,7 @@ def run_sweep(sweep: dict, sizes: Sizes) -> dict:
                                "error_sample": next((t.error for t in run.turns if not t.ok), ""),
                                "p_computed_per_turn": ps["prompt_tokens_computed"] / max(1, len(run.ok)),
                                "p_waits": ps["requests_waited_for_blocks"],
+                               "kv_failures": ps["kv_load_failures"] + ds["kv_load_failures"],
                                "corrupt": ps["kv_reads_corrupt"] + ds["kv_reads_corrupt"],
                                "history_blocks": _history_blocks(run, sizes.sweep_output),
                                "phases": _phase_means(before, metrics(sweep["gateway"].url)) if before else ""}
@@ -310,12 +312,12 @@ def report(args, sizes: Sizes, idle: IdleSetup, idle_out: dict, sweep: dict, not
               "The arms ran at the same time on their own engines.", "",
               "| arm | turns | errors | TTFT p50 later turns ms | p99 ms | D waits for blocks | D time waited s "
               "(total / max) | D preemptions (no block for an answer) | P reuse (loaded + cached) | P computed | "
-              "corrupt | plans |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "KV reads failed (engines) | corrupt | plans |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm, r in idle_out.items():
         lines.append(f"| {arm} | {r['turns']} | {r['errors']} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
                      f"{r['d_waits']} | {r['d_wait_s']:.1f} / {r['d_wait_max_s']:.1f} | {r['d_preempted']} | "
                      f"{r['reuse']:.0%} | "
-                     f"{r['p_computed']} | {r['corrupt']} | {r['plans'] or '—'} |")
+                     f"{r['p_computed']} | {r['kv_failures']} | {r['corrupt']} | {r['plans'] or '—'} |")
     errors = [f"{arm}: {r['error_sample']}" for arm, r in idle_out.items() if r["error_sample"]]
     lines += [""] + [f"- first error, {e}" for e in errors]
     wl = sweep_workload(sizes)
@@ -326,12 +328,12 @@ def report(args, sizes: Sizes, idle: IdleSetup, idle_out: dict, sweep: dict, not
               "history at their end, measured (last prompt + a mean answer, in blocks). P's cache is P's whole KV "
               "(a prompt in flight holds its blocks too).", "",
               "| P KV / working set | set-up | mean TTFT later turns ms | p50 | p99 | P computed per turn | "
-              "P waits for blocks | errors | corrupt |", "|---|---|---|---|---|---|---|---|---|"]
+              "P waits for blocks | KV reads failed (engines) | errors | corrupt |", "|---|---|---|---|---|---|---|---|---|---|"]
     for ratio, point in sweep.items():
         for arm in (GATEWAY, STATELESS, NAIVE):
             r = point[arm]
             lines.append(f"| {_ratio(point, ratio)} | {arm} | {r['mean_ms']:.1f} | {r['p50_ms']:.1f} | "
-                         f"{r['p99_ms']:.1f} | {r['p_computed_per_turn']:.0f} | {r['p_waits']} | {r['errors']} | "
+                         f"{r['p99_ms']:.1f} | {r['p_computed_per_turn']:.0f} | {r['p_waits']} | {r['kv_failures']} | {r['errors']} | "
                          f"{r['corrupt']} |")
     lines += [""] + [f"- first error, {_ratio(point, ratio)}, {arm}: {point[arm]['error_sample']}"
                      for ratio, point in sweep.items() for arm in (GATEWAY, STATELESS, NAIVE)

@@ -29,14 +29,14 @@ def test_measured_history_is_each_conversations_last_prompt_plus_a_mean_answer()
 
 def _arm(mean: float, errors: int = 0, corrupt: int = 0) -> dict:
     return {"mean_ms": mean, "p50_ms": mean, "p99_ms": 2 * mean, "turns": 10, "errors": errors, "error_sample": "",
-            "p_computed_per_turn": 100.0, "p_waits": 0, "corrupt": corrupt, "history_blocks": 100, "phases": ""}
+            "p_computed_per_turn": 100.0, "p_waits": 0, "kv_failures": 0, "corrupt": corrupt, "history_blocks": 100, "phases": ""}
 
 
 def _idle(p99: float, errors: int = 0) -> dict:
     return {"turns": 10, "errors": errors, "error_sample": "", "p50_ms": 1.0, "p99_ms": p99, "later": 5,
             "wall_s": 1.0, "d_waits": 0, "d_wait_s": 0.0, "d_wait_max_s": 0.0, "d_holds_skipped": 0, "d_preempted": 0,
             "reuse": 0.5,
-            "p_computed": 1, "corrupt": 0, "plans": "", "history_blocks": 1000}
+            "p_computed": 1, "kv_failures": 0, "corrupt": 0, "plans": "", "history_blocks": 1000}
 
 
 @pytest.mark.parametrize(("ratios", "expected"), [((0.1, 0.5, 2.0), 3.0), ((0.1, 0.4, 2.0), 3.0)])
