@@ -1,7 +1,9 @@
-"""The conversation store's contract: keys, the opaque record, the turn protocol, the one error.
+"""The conversation store's contract: keys, the opaque record, the turn protocol, the prefix index, the one error.
 
 The store keeps, per (tenant, session), one opaque `Conversation` record, at most one engine handle, and two
-turn counters. It never interprets engines or tokens: callers compute everything in the record.
+turn counters. It never interprets engines or tokens: callers compute everything in the record. The one
+thing it reads from a record is where its fingerprint's chain of block hashes reaches D's held tokens
+(`index_hash`), to keep a per-tenant prefix index of the conversations whose handle is waiting to be claimed.
 
 Errors:
     StoreUnavailableError   the backing store cannot answer (down, timeout, undecodable data): the gateway
@@ -12,6 +14,8 @@ Errors:
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+from hashlib import blake2b
 from typing import Any, Literal, NamedTuple, Protocol
 
 import msgspec
@@ -19,6 +23,8 @@ import msgspec
 DEFAULT_CONVERSATION_TTL_S = 86_400.0
 DEFAULT_INFLIGHT_TIMEOUT_S = 600.0
 MAX_SESSION_CHARS = 256
+INDEX_HASH_BYTES = 16  # one chained block hash in `Conversation.block_hashes`
+DEFAULT_MAX_HOLDERS = 8  # holders one prefix lookup returns at most
 
 _TENANT_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
@@ -34,10 +40,19 @@ class ConversationKey(NamedTuple):
 
 def check_key(key: ConversationKey) -> None:
     """Raise ValueError for a key the store refuses (checked by every store before any I/O)."""
-    if not isinstance(key.tenant, str) or not _TENANT_RE.fullmatch(key.tenant):
-        raise ValueError(f"tenant must be 1..64 chars of [A-Za-z0-9_.-], got {key.tenant!r}")
+    check_tenant(key.tenant)
     if not isinstance(key.session, str) or len(key.session) > MAX_SESSION_CHARS:
         raise ValueError(f"session must be a str of at most {MAX_SESSION_CHARS} chars")
+
+
+def check_tenant(tenant: object) -> None:
+    if not isinstance(tenant, str) or not _TENANT_RE.fullmatch(tenant):
+        raise ValueError(f"tenant must be 1..64 chars of [A-Za-z0-9_.-], got {tenant!r}")
+
+
+def session_digest(session: str) -> str:
+    """The session id as the stores name it: 32 hex chars for any id (':', '{', '*', surrogates, any length)."""
+    return blake2b(session.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
 class Answer(msgspec.Struct, array_like=True):
@@ -68,6 +83,20 @@ class Conversation(msgspec.Struct, kw_only=True):
 
 
 HandleState = Literal["claimed", "none", "expired", "in_flight"]
+HolderState = Literal["idle", "none", "expired", "in_flight"]  # idle: a live handle, no turn begun since
+
+
+def index_hash(record: Conversation) -> bytes | None:
+    """The record's prefix-index entry: the chained hash of D's held tokens S at floor(R / bs) whole blocks
+    (R = held_tokens), which equals a later prompt's own hash there exactly when both share those blocks.
+    None when R is under one block or the record carries no such hash."""
+    if record.block_size <= 0:
+        return None
+    blocks = record.held_tokens // record.block_size
+    end = blocks * INDEX_HASH_BYTES
+    if blocks < 1 or len(record.block_hashes) < end:
+        return None
+    return record.block_hashes[end - INDEX_HASH_BYTES:end]
 
 
 class TurnStart(msgspec.Struct):
@@ -77,11 +106,37 @@ class TurnStart(msgspec.Struct):
     handle_state: HandleState  # in_flight: an earlier turn started and has not finished
 
 
+class Holder(msgspec.Struct):
+    """A conversation found by a prefix lookup: a candidate only, until the caller verifies and claims it."""
+
+    key: ConversationKey
+    turn: int  # the turn that wrote `record`; claim with begin_found_turn(key, turn, now)
+    blocks: int  # the indexed prefix it was found at, in whole blocks of the prompt
+    record: Conversation
+    state: HolderState  # at lookup time; the claim re-checks it
+
+
 class ConversationStore(Protocol):
     kind: str  # "memory" | "redis"
 
     async def begin_turn(self, key: ConversationKey, now: float) -> TurnStart:
         """Start a turn: bump the started counter and claim the handle if one is live (single use)."""
+        ...
+
+    async def begin_found_turn(self, key: ConversationKey, turn: int, now: float) -> TurnStart | None:
+        """Start a turn on a conversation a prefix lookup found, only if it is still as found: its record is the
+        one turn `turn` wrote, no turn began since, and its handle is live. Then claim the handle exactly as
+        `begin_turn` does; otherwise change nothing and return None (try another holder, or start anew)."""
+        ...
+
+    async def find_by_prefix(
+        self, tenant: str, block_hashes: Sequence[bytes], prompt_tokens: int, now: float,
+        limit: int = DEFAULT_MAX_HOLDERS,
+    ) -> list[Holder]:
+        """Conversations of `tenant` whose index entry is one of `block_hashes` (a prompt's chained block
+        hashes, first block first), longest prefix first, in one round trip, claiming nothing. Within one
+        prefix, the handle that expires soonest comes first; holders of more than `prompt_tokens` tokens (no
+        prompt that short can extend them) are skipped; at most `limit` holders."""
         ...
 
     async def finish_turn(
@@ -93,7 +148,10 @@ class ConversationStore(Protocol):
         handle_expires_at: float,
         now: float,
     ) -> bool:
-        """Store the turn's outcome only if no newer turn began; False: nothing changed, release `handle`."""
+        """Store the turn's outcome only if no newer turn began; False: nothing changed, release `handle`.
+
+        With a handle, the record's `index_hash` is indexed for `key.tenant` in the same atomic step, live as
+        long as the handle; the conversation's previous entry goes (a claim or a delete removes it too)."""
         ...
 
     async def get(self, key: ConversationKey) -> tuple[Conversation, dict[str, Any] | None, int] | None:

@@ -3,24 +3,35 @@
 No method awaits between reading and writing an entry, so every operation is atomic on its loop, which
 is what makes the single-use claim hold here. Records and handles are kept msgpack-encoded, exactly as in
 Redis, so both stores hand back equal (and unaliased) values.
+
+The prefix index lives beside the entries: (tenant, index hash) → the conversations indexed there, each with
+its handle's expiry, in insertion order (which, under one handle TTL, is soonest-expiring first). An entry
+leaves the index when its handle is claimed or replaced and when its conversation is deleted, expires or is
+evicted, so the index never holds more than one entry per conversation.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 from .base import (
     DEFAULT_CONVERSATION_TTL_S,
     DEFAULT_INFLIGHT_TIMEOUT_S,
+    DEFAULT_MAX_HOLDERS,
     Conversation,
     ConversationKey,
     HandleState,
+    Holder,
+    HolderState,
     TurnStart,
     check_key,
+    check_tenant,
+    index_hash,
 )
 from .codec import decode_handle, decode_record, encode_handle, encode_record
 
@@ -36,6 +47,11 @@ class _Entry:
     finished: int = 0
     started_at: float = 0.0
     expires_at: float = 0.0  # the whole conversation's TTL, on the store's clock
+    held: int = 0  # the record's held_tokens, for lookups
+    indexed: bytes | None = None  # this conversation's prefix-index entry, if it has one
+
+
+_IndexKey = tuple[str, bytes]  # (tenant, index hash)
 
 
 class MemoryConversationStore:
@@ -55,6 +71,7 @@ class MemoryConversationStore:
         self._clock = clock
         # Ordered by last write; with one TTL for all, the front is also the first to expire.
         self._entries: OrderedDict[ConversationKey, _Entry] = OrderedDict()
+        self._index: dict[_IndexKey, dict[ConversationKey, float]] = {}
 
     async def begin_turn(self, key: ConversationKey, now: float) -> TurnStart:
         check_key(key)
@@ -66,6 +83,7 @@ class MemoryConversationStore:
             if state == "claimed":
                 handle = entry.handle
             entry.handle, entry.handle_expires_at = None, 0.0
+            self._unindex(key, entry)  # claimed or dead: nothing left for a lookup to find
         elif entry.started > entry.finished and now - entry.started_at < self.inflight_timeout_s:
             state = "in_flight"
         else:
@@ -79,6 +97,42 @@ class MemoryConversationStore:
             handle=decode_handle(handle) if handle is not None else None,
             handle_state=state,
         )
+
+    async def begin_found_turn(self, key: ConversationKey, turn: int, now: float) -> TurnStart | None:
+        check_key(key)
+        entry = self._live(key)
+        if (entry is None or entry.record is None or entry.finished != turn or entry.started != turn
+                or entry.handle is None or entry.handle_expires_at <= now):
+            return None  # moved on, claimed, in flight or expired since the lookup: leave it alone
+        handle, record = entry.handle, entry.record
+        entry.handle, entry.handle_expires_at = None, 0.0
+        self._unindex(key, entry)
+        entry.started += 1
+        entry.started_at = now
+        self._write(key, entry)
+        return TurnStart(turn=entry.started, record=decode_record(record), handle=decode_handle(handle),
+                         handle_state="claimed")
+
+    async def find_by_prefix(
+        self, tenant: str, block_hashes: Sequence[bytes], prompt_tokens: int, now: float,
+        limit: int = DEFAULT_MAX_HOLDERS,
+    ) -> list[Holder]:
+        check_tenant(tenant)
+        holders: list[Holder] = []
+        for blocks in range(len(block_hashes), 0, -1):
+            members = self._index.get((tenant, block_hashes[blocks - 1]))
+            if not members:
+                continue
+            # Listed before any entry is touched: reading an expired entry unfiles it from `members`.
+            live = list(islice((key for key, expires_at in members.items() if expires_at > now), limit))
+            for key in live:
+                entry = self._live(key)
+                if entry is None or entry.record is None or entry.held > prompt_tokens:
+                    continue
+                holders.append(Holder(key, entry.finished, blocks, decode_record(entry.record), _state(entry, now)))
+                if len(holders) >= limit:
+                    return holders
+        return holders
 
     async def finish_turn(
         self,
@@ -95,9 +149,15 @@ class MemoryConversationStore:
         entry = self._live(key)
         if entry is None or entry.started != turn or entry.finished >= turn:
             return False
-        entry.record, entry.finished = record_blob, turn
+        entry.record, entry.finished, entry.held = record_blob, turn, record.held_tokens
         entry.handle = handle_blob
         entry.handle_expires_at = handle_expires_at if handle_blob is not None else 0.0
+        # Same step as the record: the old entry goes, the new one (if a live handle waits) comes.
+        self._unindex(key, entry)
+        digest = index_hash(record) if handle_blob is not None and handle_expires_at > now else None
+        if digest is not None:
+            entry.indexed = digest
+            self._index.setdefault((key.tenant, digest), {})[key] = handle_expires_at
         self._write(key, entry)
         return True
 
@@ -115,6 +175,8 @@ class MemoryConversationStore:
         check_key(key)
         entry = self._live(key)
         self._entries.pop(key, None)
+        if entry is not None:
+            self._unindex(key, entry)
         if entry is None or entry.handle is None or entry.handle_expires_at <= self._clock():
             return None
         return decode_handle(entry.handle)
@@ -124,6 +186,7 @@ class MemoryConversationStore:
 
     async def close(self) -> None:
         self._entries.clear()
+        self._index.clear()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -132,6 +195,7 @@ class MemoryConversationStore:
         entry = self._entries.get(key)
         if entry is not None and entry.expires_at <= self._clock():
             del self._entries[key]
+            self._unindex(key, entry)
             return None
         return entry
 
@@ -145,4 +209,24 @@ class MemoryConversationStore:
             if oldest.expires_at > now and len(self._entries) <= self.max_conversations:
                 break
             # Evicting a live handle leaves D's blocks pinned until its own TTL: bounded, not unsafe.
-            self._entries.popitem(last=False)
+            evicted, gone = self._entries.popitem(last=False)
+            self._unindex(evicted, gone)
+
+    def _unindex(self, key: ConversationKey, entry: _Entry) -> None:
+        if entry.indexed is None:
+            return
+        where = (key.tenant, entry.indexed)
+        members = self._index.get(where)
+        if members is not None:
+            members.pop(key, None)
+            if not members:
+                del self._index[where]
+        entry.indexed = None
+
+
+def _state(entry: _Entry, now: float) -> HolderState:
+    if entry.started > entry.finished:
+        return "in_flight"
+    if entry.handle is None:
+        return "none"
+    return "idle" if entry.handle_expires_at > now else "expired"

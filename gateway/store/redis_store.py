@@ -1,4 +1,5 @@
-"""The shared store: one Redis hash per conversation, every operation one round trip.
+"""The shared store: one Redis hash per conversation plus a per-tenant prefix index, every operation one
+round trip (see scripts.py for the layout).
 
 Connection faults of any kind become `StoreUnavailableError` at this boundary. Commands are never retried:
 a retried `begin_turn` whose first reply was lost would run the claim twice and lose the handle, and a
@@ -9,9 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -21,27 +21,39 @@ from . import scripts, topology
 from .base import (
     DEFAULT_CONVERSATION_TTL_S,
     DEFAULT_INFLIGHT_TIMEOUT_S,
+    DEFAULT_MAX_HOLDERS,
     Conversation,
     ConversationKey,
+    Holder,
+    HolderState,
     StoreUnavailableError,
     TurnStart,
     check_key,
+    check_tenant,
+    index_hash,
+    session_digest,
 )
 from .codec import decode_handle, decode_record, encode_handle, encode_record
 
-KEY_LAYOUT = "v1"  # bumped (with a migration) whenever the key or hash layout changes
-KEY_PREFIX = f"pdgw:{KEY_LAYOUT}:conv:"
+KEY_LAYOUT = "v2"  # bumped (with a migration) whenever the key or hash layout changes
 DEFAULT_CONNECT_TIMEOUT_S = 0.5
 DEFAULT_OP_TIMEOUT_S = 1.0
 SUPPORTED_SCHEMES = topology.SCHEMES
 
 
+def tenant_prefix(tenant: str) -> str:
+    """`pdgw:v2:{tenant}:`, the start of every key of one tenant: on Redis Cluster the `{tenant}` hash tag
+    keeps a tenant's conversations and prefix index in one slot, so one script can touch them together.
+    The tenant is validated safe (no braces, no ':')."""
+    check_tenant(tenant)
+    return f"pdgw:{KEY_LAYOUT}:{{{tenant}}}:"
+
+
 def conversation_key(key: ConversationKey) -> str:
-    """`pdgw:v1:conv:{tenant}:{session digest}`: the tenant is validated safe; the session is hashed so any
-    character (':', '{', '*', surrogates) and any length up to the limit give a short, fixed-size key."""
+    """`pdgw:v2:{tenant}:conv:<session digest>`: the session is hashed so any character (':', '{', '*',
+    surrogates) and any length up to the limit give a short, fixed-size key."""
     check_key(key)
-    digest = hashlib.blake2b(key.session.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
-    return f"{KEY_PREFIX}{key.tenant}:{digest}"
+    return f"{tenant_prefix(key.tenant)}conv:{session_digest(key.session)}"
 
 
 def client_from_url(
@@ -82,6 +94,8 @@ class RedisConversationStore:
         self._begin_turn = client.register_script(scripts.BEGIN_TURN)
         self._finish_turn = client.register_script(scripts.FINISH_TURN)
         self._delete = client.register_script(scripts.DELETE)
+        self._begin_found_turn = client.register_script(scripts.BEGIN_FOUND_TURN)
+        self._find_by_prefix = client.register_script(scripts.FIND_BY_PREFIX)
 
     @classmethod
     def from_url(
@@ -99,16 +113,38 @@ class RedisConversationStore:
 
     async def begin_turn(self, key: ConversationKey, now: float) -> TurnStart:
         rkey = conversation_key(key)
+        args = [repr(float(now)), repr(float(self.inflight_timeout_s)), self._ttl_ms, *_member(key)]
         with _unavailable_on_fault():
-            turn, state, record, handle = await self._begin_turn(
-                keys=[rkey], args=[repr(float(now)), repr(float(self.inflight_timeout_s)), self._ttl_ms]
-            )
+            turn, state, record, handle = await self._begin_turn(keys=[rkey], args=args)
         return TurnStart(
             turn=int(turn),
             record=decode_record(record) if record is not None else None,
             handle=decode_handle(handle) if handle is not None else None,
             handle_state=state.decode() if isinstance(state, bytes) else state,
         )
+
+    async def begin_found_turn(self, key: ConversationKey, turn: int, now: float) -> TurnStart | None:
+        rkey = conversation_key(key)
+        args = [repr(float(now)), int(turn), self._ttl_ms, *_member(key)]
+        with _unavailable_on_fault():
+            claimed = await self._begin_found_turn(keys=[rkey], args=args)
+        if claimed is None:
+            return None
+        started, record, handle = claimed
+        return TurnStart(turn=int(started), record=decode_record(record), handle=decode_handle(handle),
+                         handle_state="claimed")
+
+    async def find_by_prefix(
+        self, tenant: str, block_hashes: Sequence[bytes], prompt_tokens: int, now: float,
+        limit: int = DEFAULT_MAX_HOLDERS,
+    ) -> list[Holder]:
+        prefix = tenant_prefix(tenant)
+        if not block_hashes or limit < 1:
+            return []
+        args = [repr(float(now)), int(limit), int(prompt_tokens), prefix, *block_hashes]
+        with _unavailable_on_fault():
+            rows = await self._find_by_prefix(keys=[f"{prefix}pfx:"], args=args)
+        return [_holder(tenant, row, now) for row in rows]
 
     async def finish_turn(
         self,
@@ -121,7 +157,10 @@ class RedisConversationStore:
     ) -> bool:
         rkey = conversation_key(key)
         handle_blob = encode_handle(handle) if handle is not None else b""
-        args = [int(turn), encode_record(record), handle_blob, repr(float(handle_expires_at)), self._ttl_ms]
+        digest = index_hash(record) if handle is not None and handle_expires_at > now else None
+        args = [int(turn), encode_record(record), handle_blob, repr(float(handle_expires_at)), self._ttl_ms,
+                repr(float(now)), *_member(key), key.session.encode("utf-8", "surrogatepass"),
+                int(record.held_tokens), digest or b""]
         with _unavailable_on_fault():
             return bool(await self._finish_turn(keys=[rkey], args=args))
 
@@ -139,7 +178,7 @@ class RedisConversationStore:
     async def delete(self, key: ConversationKey) -> dict[str, Any] | None:
         rkey = conversation_key(key)
         with _unavailable_on_fault():
-            handle = await self._delete(keys=[rkey], args=[repr(float(self._clock()))])
+            handle = await self._delete(keys=[rkey], args=[repr(float(self._clock())), *_member(key)])
         return decode_handle(handle) if handle is not None else None
 
     async def ping(self) -> bool:
@@ -152,3 +191,21 @@ class RedisConversationStore:
     async def close(self) -> None:
         with contextlib.suppress(RedisError, OSError):
             await self.client.aclose()
+
+
+def _member(key: ConversationKey) -> tuple[str, str]:
+    """(tenant prefix, session digest): what a script needs to file or unfile the conversation in the index."""
+    return tenant_prefix(key.tenant), session_digest(key.session)
+
+
+def _holder(tenant: str, row: list[Any], now: float) -> Holder:
+    blocks, session, finished, started, record, handle_expires_at = row
+    state: HolderState
+    if int(started) > int(finished):
+        state = "in_flight"
+    elif handle_expires_at is None:
+        state = "none"
+    else:
+        state = "idle" if float(handle_expires_at) > now else "expired"
+    key = ConversationKey(tenant, session.decode("utf-8", "surrogatepass"))
+    return Holder(key, int(finished), int(blocks), decode_record(record), state)

@@ -1,17 +1,43 @@
 """The Lua scripts behind the Redis store: each operation is one atomic round trip.
 
-Layout of one conversation hash (see `redis_store.conversation_key`):
+Keys (see `redis_store`): every key of one tenant starts with `pdgw:v2:{tenant}:`, so on Redis Cluster the
+`{tenant}` hash tag puts all of them in one slot, and a script may touch a conversation and the tenant's
+prefix index together (scripts also reach keys of that slot that they were not handed, such as a holder's
+conversation or a conversation's old index entry).
+
+Layout of one conversation hash, `pdgw:v2:{tenant}:conv:<session digest>`:
     record              msgpack Conversation (absent until a turn finishes)
     handle              msgpack engine handle (absent when none, claimed or expired)
     handle_expires_at   wall-clock seconds; the handle is dead at or after it
     started, finished   turn counters: the last turn begun, the last turn whose outcome was stored
     started_at          when the last turn began (caller's wall clock), to age out abandoned turns
+    session             the session id itself, so a prefix lookup can name the conversation it found
+    held                the record's held_tokens R, so a lookup skips holders longer than the prompt
+    indexed             the 16-byte index hash this conversation is filed under in the prefix index, if any
+
+The prefix index, one sorted set per indexed hash: `pdgw:v2:{tenant}:pfx:<16 raw bytes>`, members the
+session digests of the conversations filed there, scores their handle's expiry. A conversation is a member
+exactly while it has an unclaimed handle (the score tells whether it is still live): FINISH_TURN files it,
+a claim (BEGIN_TURN, BEGIN_FOUND_TURN) or DELETE removes it, and a newer FINISH_TURN moves it. So the
+index holds at most one entry per conversation; each set expires with the conversations in it.
 """
 
-# KEYS[1] conversation; ARGV: now, inflight_timeout_s, ttl_ms.
+# Drop the conversation's index entry, if it has one. ARGV-independent so every script can share it.
+_UNINDEX = """
+local function unindex(conv, tenant_prefix, member)
+  local indexed = redis.call('HGET', conv, 'indexed')
+  if indexed then
+    redis.call('ZREM', tenant_prefix .. 'pfx:' .. indexed, member)
+    redis.call('HDEL', conv, 'indexed')
+  end
+end
+"""
+
+# KEYS[1] conversation; ARGV: now, inflight_timeout_s, ttl_ms, tenant prefix, session digest.
 # Returns {turn, handle_state, record or nil, handle or nil}. Removing the handle in the same script as
-# reading it is what makes a handle single use across every gateway replica.
-BEGIN_TURN = """
+# reading it is what makes a handle single use across every gateway replica; its index entry goes with it,
+# so a lookup never offers a handle that is gone.
+BEGIN_TURN = _UNINDEX + """
 local now = tonumber(ARGV[1])
 local v = redis.call('HMGET', KEYS[1], 'record', 'handle', 'handle_expires_at',
                      'started', 'finished', 'started_at')
@@ -21,6 +47,7 @@ local state = 'none'
 local handle = false
 if v[2] then
   redis.call('HDEL', KEYS[1], 'handle', 'handle_expires_at')
+  unindex(KEYS[1], ARGV[4], ARGV[5])
   if (tonumber(v[3]) or 0) > now then
     state = 'claimed'
     handle = v[2]
@@ -35,32 +62,90 @@ redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return {started + 1, state, v[1], handle}
 """
 
-# KEYS[1] conversation; ARGV: turn, record, handle ('' for none), handle_expires_at, ttl_ms.
+# KEYS[1] conversation; ARGV: now, turn (the one whose record the lookup returned), ttl_ms, tenant prefix,
+# session digest. Returns {turn, record, handle} having claimed the handle as BEGIN_TURN does, or nil having
+# changed nothing: a conversation that moved on (a newer record), has a turn in flight, or whose handle is
+# claimed or dead is not touched, so a sessionless request can never disturb someone else's turn counters.
+BEGIN_FOUND_TURN = _UNINDEX + """
+local turn = tonumber(ARGV[2])
+local v = redis.call('HMGET', KEYS[1], 'record', 'handle', 'handle_expires_at', 'started', 'finished')
+if not v[1] or not v[2] or tonumber(v[4]) ~= turn or tonumber(v[5]) ~= turn
+   or (tonumber(v[3]) or 0) <= tonumber(ARGV[1]) then
+  return false
+end
+redis.call('HDEL', KEYS[1], 'handle', 'handle_expires_at')
+unindex(KEYS[1], ARGV[4], ARGV[5])
+redis.call('HSET', KEYS[1], 'started', turn + 1, 'started_at', ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return {turn + 1, v[1], v[2]}
+"""
+
+# KEYS[1] conversation; ARGV: turn, record, handle ('' for none), handle_expires_at, ttl_ms, now,
+# tenant prefix, session digest, session, held_tokens, index hash ('' for none: no live handle to offer).
 # Returns 1 if stored, 0 if a newer turn began (or this one already finished): nothing changed then.
-FINISH_TURN = """
+# The index moves in the same script as the record, so no lookup ever sees one without the other.
+FINISH_TURN = _UNINDEX + """
 local turn = tonumber(ARGV[1])
 local v = redis.call('HMGET', KEYS[1], 'started', 'finished')
 if tonumber(v[1]) ~= turn or (tonumber(v[2]) or 0) >= turn then
   return 0
 end
-redis.call('HSET', KEYS[1], 'record', ARGV[2], 'finished', ARGV[1])
+redis.call('HSET', KEYS[1], 'record', ARGV[2], 'finished', ARGV[1], 'session', ARGV[9], 'held', ARGV[10])
 if ARGV[3] ~= '' then
   redis.call('HSET', KEYS[1], 'handle', ARGV[3], 'handle_expires_at', ARGV[4])
 else
   redis.call('HDEL', KEYS[1], 'handle', 'handle_expires_at')
 end
+unindex(KEYS[1], ARGV[7], ARGV[8])
+if ARGV[11] ~= '' then
+  local index = ARGV[7] .. 'pfx:' .. ARGV[11]
+  -- Dead handles leave first, so a set shared by many identical conversations stays the size of its
+  -- live holders; the set itself expires with the newest conversation filed in it.
+  redis.call('ZREMRANGEBYSCORE', index, '-inf', ARGV[6])
+  redis.call('ZADD', index, ARGV[4], ARGV[8])
+  redis.call('PEXPIRE', index, ARGV[5])
+  redis.call('HSET', KEYS[1], 'indexed', ARGV[11])
+end
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
 return 1
 """
 
-# KEYS[1] conversation; ARGV: now. Returns the handle if it was still live, else nil.
-# The counters go too, so turns restart at 1: a turn begun before the delete that finishes after a new
-# turn 1 began can still store its record. Harmless: the next turn's continuity check judges any record.
-DELETE = """
+# KEYS[1] conversation; ARGV: now, tenant prefix, session digest. Returns the handle if it was still live,
+# else nil. The counters go too, so turns restart at 1: a turn begun before the delete that finishes after a
+# new turn 1 began can still store its record. Harmless: the next turn's continuity check judges any record.
+DELETE = _UNINDEX + """
 local v = redis.call('HMGET', KEYS[1], 'handle', 'handle_expires_at')
+unindex(KEYS[1], ARGV[2], ARGV[3])
 redis.call('DEL', KEYS[1])
 if v[1] and (tonumber(v[2]) or 0) > tonumber(ARGV[1]) then
   return v[1]
 end
 return false
+"""
+
+# KEYS[1] the tenant's index prefix (routing only: it names the slot); ARGV: now, limit, prompt tokens,
+# tenant prefix, then the prompt's chained block hashes, first block first. Read-only.
+# Returns up to `limit` holders, longest prefix first, each {blocks, session, finished, started, record,
+# handle_expires_at or nil}. A prefix whose holders are all dead, gone or longer than the prompt does not
+# stop the walk: a shorter prefix may still hold a conversation this prompt extends.
+FIND_BY_PREFIX = """
+local limit = tonumber(ARGV[2])
+local tokens = tonumber(ARGV[3])
+local prefix = ARGV[4]
+local out = {}
+for i = #ARGV, 5, -1 do
+  local members = redis.call('ZRANGEBYSCORE', prefix .. 'pfx:' .. ARGV[i], '(' .. ARGV[1], '+inf',
+                             'LIMIT', 0, limit)
+  for _, member in ipairs(members) do
+    local v = redis.call('HMGET', prefix .. 'conv:' .. member, 'record', 'session', 'held', 'finished',
+                         'started', 'handle', 'handle_expires_at')
+    if v[1] and v[2] and (tonumber(v[3]) or 0) <= tokens then
+      out[#out + 1] = {i - 4, v[2], v[4] or '0', v[5] or '0', v[1], v[6] and v[7] or false}
+      if #out >= limit then
+        return out
+      end
+    end
+  end
+end
+return out
 """

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+from hashlib import blake2b
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -16,7 +17,19 @@ fakeredis = pytest.importorskip("fakeredis")
 pytest.importorskip("lupa", reason="fakeredis runs Lua scripts through lupa (fakeredis[lua])")
 
 INFLIGHT_TIMEOUT_S = 600.0
-keys = st.sampled_from([ConversationKey("a", "s"), ConversationKey("b", "s")])
+keys = st.sampled_from([ConversationKey("a", "s"), ConversationKey("a", "t"), ConversationKey("b", "s")])
+
+
+def chain(text: str) -> list[bytes]:
+    out, previous = [], b""
+    for letter in text:
+        previous = blake2b(previous + letter.encode(), digest_size=16).digest()
+        out.append(previous)
+    return out
+
+
+# Records and prompts drawn from a few overlapping texts (one letter per 4-token block), so lookups hit.
+prompts = st.sampled_from(["abcd", "abd", "ab", "xy", "abcdxy"]).map(chain)
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False) | st.text(max_size=4),
     lambda inner: st.lists(inner, max_size=3),
@@ -27,7 +40,9 @@ records = st.builds(
     Conversation,
     decode_engine=st.sampled_from(["", "d0", "d1"]),
     num_tokens=st.integers(0, 10**6),
-    block_hashes=st.binary(max_size=48),
+    block_size=st.sampled_from([0, 4, 4]),
+    held_tokens=st.sampled_from([0, 3, 4, 7, 8, 11, 12, 13]),
+    block_hashes=st.binary(max_size=48) | st.sampled_from(["abc", "abd", "xyz"]).map(lambda t: b"".join(chain(t))),
     output_ids=st.lists(st.integers(0, 2**31), max_size=4),
     updated_at=st.floats(0, 1e10),
 )
@@ -68,6 +83,31 @@ class SameAnswers(RuleBasedStateMachine):
         latest = self.latest.get(key, 1)
         turn = data.draw(st.sampled_from([latest, latest, latest, latest - 1, latest + 1]))
         self.both("finish_turn", key, turn, record, handle, self.now + expires_in, self.now)
+
+    @rule(tenant=st.sampled_from(["a", "b"]), hashes=prompts, extra=st.sampled_from([0, 0, 1, 3]))
+    def find(self, tenant: str, hashes: list[bytes], extra: int) -> None:
+        tokens = 4 * len(hashes) + extra
+        # Ties within one prefix come in no promised order: compare as sets (the limit exceeds the keys).
+        found = [self.loop.run_until_complete(store.find_by_prefix(tenant, hashes, tokens, self.now))
+                 for store in (self.memory, self.redis)]
+        mem, red = (sorted(f, key=lambda h: (-h.blocks, h.key.session)) for f in found)
+        assert mem == red, (tenant, tokens)
+
+    @rule(key=keys, back=st.sampled_from([0, 0, 1]))
+    def begin_found(self, key: ConversationKey, back: int) -> None:
+        start = self.both("begin_found_turn", key, self.latest.get(key, 1) - back, self.now)
+        if start is not None:
+            self.latest[key] = start.turn
+
+    @rule(key=keys, text=st.sampled_from(["abc", "abd", "xyz", "ab"]), held=st.sampled_from([4, 7, 8, 11, 12]),
+          hashes=prompts, extra=st.sampled_from([0, 0, 1, 3]))
+    def file(self, key: ConversationKey, text: str, held: int, hashes: list[bytes], extra: int) -> None:
+        """A whole turn that leaves a live handle and an indexable record (what lookups are about), then one."""
+        turn = self.both("begin_turn", key, self.now).turn
+        self.latest[key] = turn
+        record = Conversation(block_size=4, held_tokens=held, block_hashes=b"".join(chain(text)))
+        self.both("finish_turn", key, turn, record, {"h": text}, self.now + 5_000.0, self.now)
+        self.find(key.tenant, hashes, extra)
 
     @rule(key=keys)
     def get(self, key: ConversationKey) -> None:

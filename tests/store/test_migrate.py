@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 import redis
 
+from gateway.store import Conversation, ConversationKey, RedisConversationStore
+from gateway.store.codec import encode_handle, encode_record
 from gateway.store.migrate import (
     DEFAULT_DIRECTORY,
     MIGRATIONS_KEY,
@@ -15,6 +18,7 @@ from gateway.store.migrate import (
     load_migrations,
     schema_version,
 )
+from gateway.store.redis_store import conversation_key
 
 pytestmark = pytest.mark.integration
 
@@ -66,6 +70,28 @@ async def test_repository_migrations_apply(clean_redis_url: str) -> None:
     assert (await apply_migrations(clean_redis_url))[0] == 1
     assert await apply_migrations(clean_redis_url) == []
     assert await schema_version(clean_redis_url) >= 1
+
+
+async def test_v1_conversations_move_to_v2(clean_redis_url: str) -> None:
+    """A conversation stored under layout v1 keeps its record, handle, counters and TTL under v2, and a v2
+    store then claims its handle as usual (it joins the prefix index on its next turn)."""
+    key = ConversationKey("acme", "s-1")
+    digest = conversation_key(key).rpartition(":")[2]
+    record, handle, now = Conversation(model="m", held_tokens=7), {"remote_num_tokens": 7}, time.time()
+    with redis.Redis.from_url(clean_redis_url) as client:
+        client.hset(f"pdgw:v1:conv:acme:{digest}", mapping={
+            "record": encode_record(record), "handle": encode_handle(handle),
+            "handle_expires_at": repr(now + 60), "started": 3, "finished": 3, "started_at": repr(now)})
+        client.pexpire(f"pdgw:v1:conv:acme:{digest}", 500_000)
+    await apply_migrations(clean_redis_url)
+    with redis.Redis.from_url(clean_redis_url) as client:
+        assert client.keys("pdgw:v1:*") == []
+        assert 490_000 < client.pttl(conversation_key(key)) <= 500_000
+    store = RedisConversationStore.from_url(clean_redis_url)
+    start = await store.begin_turn(key, now)
+    assert (start.turn, start.record, start.handle, start.handle_state) == (4, record, handle, "claimed")
+    await store.close()
+    assert await apply_migrations(clean_redis_url) == []
 
 
 @pytest.mark.parametrize("name, text, error", [

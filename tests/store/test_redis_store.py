@@ -10,11 +10,12 @@ import redis
 from redis.asyncio.connection import Connection
 
 from gateway.store import Conversation, ConversationKey, RedisConversationStore, StoreUnavailableError
-from gateway.store.redis_store import client_from_url, conversation_key
+from gateway.store.redis_store import client_from_url, conversation_key, tenant_prefix
 from tests.redis_server import RedisServer
 
 KEY = ConversationKey("acme", "s:1")
 HANDLE = {"remote_engine_id": "d0", "remote_block_ids": [[1, 2]], "remote_num_tokens": 31}
+HELD = Conversation(model="m", block_size=4, held_tokens=8, block_hashes=b"\x01" * 16 + b"\x02" * 16)
 
 integration = pytest.mark.integration
 
@@ -33,6 +34,8 @@ async def assert_unavailable(store: RedisConversationStore, *, within_s: float) 
         store.finish_turn(KEY, 2, Conversation(), None, 0.0, now),
         store.get(KEY),
         store.delete(KEY),
+        store.find_by_prefix(KEY.tenant, [b"\x01" * 16], 8, now),
+        store.begin_found_turn(KEY, 1, now),
     ]
     for op in ops:
         began = time.monotonic()
@@ -44,8 +47,9 @@ async def assert_unavailable(store: RedisConversationStore, *, within_s: float) 
 
 def test_key_layout() -> None:
     rkey = conversation_key(ConversationKey("acme", "a:b{c}*"))
-    assert rkey.startswith("pdgw:v1:conv:acme:") and len(rkey) == len("pdgw:v1:conv:acme:") + 32
+    assert rkey.startswith("pdgw:v2:{acme}:conv:") and len(rkey) == len("pdgw:v2:{acme}:conv:") + 32
     assert rkey != conversation_key(ConversationKey("acme", "a:b{c}"))
+    assert rkey.startswith(tenant_prefix("acme"))  # one hash tag per tenant: one Cluster slot
 
 
 def test_url_schemes() -> None:
@@ -107,14 +111,18 @@ async def test_each_operation_is_one_round_trip(clean_redis_url: str, monkeypatc
         return await original(self, command, *args, **kwargs)
 
     store = RedisConversationStore.from_url(clean_redis_url)
-    await one_turn(store)  # connects and loads the scripts (delete's too, below)
+    await one_turn(store)  # connects and loads the scripts (the others' too, below)
     await store.delete(ConversationKey("other", "s"))
+    assert await store.find_by_prefix("other", [b"\x01" * 16], 4, 0.0) == []
+    assert await store.begin_found_turn(ConversationKey("other", "s"), 1, 0.0) is None
     monkeypatch.setattr(Connection, "send_packed_command", counting)
     now = time.time()
     for op, command in [
         (store.begin_turn(KEY, now), b"EVALSHA"),
-        (store.finish_turn(KEY, 2, Conversation(), HANDLE, now + 9, now), b"EVALSHA"),
+        (store.finish_turn(KEY, 2, HELD, HANDLE, now + 9, now), b"EVALSHA"),
         (store.get(KEY), b"HMGET"),
+        (store.find_by_prefix(KEY.tenant, [b"\x01" * 16, b"\x02" * 16, b"\x03" * 16], 12, now), b"EVALSHA"),
+        (store.begin_found_turn(KEY, 2, now), b"EVALSHA"),
         (store.delete(KEY), b"EVALSHA"),
     ]:
         sent.clear()
@@ -129,4 +137,11 @@ async def test_ttl_is_set_on_every_write(clean_redis_url: str) -> None:
     await one_turn(store)
     with redis.Redis.from_url(clean_redis_url) as admin:
         assert 990_000 < admin.pttl(conversation_key(KEY)) <= 1_000_000
+    now = time.time()
+    start = await store.begin_turn(KEY, now)
+    assert await store.finish_turn(KEY, start.turn, HELD, HANDLE, now + 60, now)
+    with redis.Redis.from_url(clean_redis_url) as admin:
+        index_key = tenant_prefix(KEY.tenant).encode() + b"pfx:" + b"\x02" * 16
+        assert admin.zscore(index_key, conversation_key(KEY).rpartition(":")[2]) == pytest.approx(now + 60)
+        assert 990_000 < admin.pttl(index_key) <= 1_000_000
     await store.close()

@@ -20,6 +20,7 @@ from tests.servers import free_port, stop_process
 
 pytestmark = pytest.mark.integration
 HANDLE = {"remote_block_ids": [[1, 2, 3]], "remote_num_tokens": 40}
+HELD = Conversation(model="m", block_size=4, held_tokens=8, block_hashes=b"\x01" * 16 + b"\x02" * 16)
 
 
 def cluster_port() -> int:
@@ -62,10 +63,11 @@ def wait_for(condition, timeout_s: float = 20.0) -> None:
         time.sleep(0.05)
 
 
-async def one_turn(store: RedisConversationStore, session: str) -> bool:
-    key = ConversationKey("t", session)
+async def one_turn(store: RedisConversationStore, session: str, *, tenant: str = "t",
+                   record: Conversation = Conversation(model="m")) -> bool:
+    key = ConversationKey(tenant, session)
     start = await store.begin_turn(key, time.time())
-    return await store.finish_turn(key, start.turn, Conversation(model="m"), HANDLE, time.time() + 60, time.time())
+    return await store.finish_turn(key, start.turn, record, HANDLE, time.time() + 60, time.time())
 
 
 def test_sentinel_follows_a_failover():
@@ -106,9 +108,14 @@ def test_cluster_serves_the_store():
 
         async def scenario() -> None:
             for i in range(12):                                         # keys spread over the three masters
-                assert await one_turn(store, f"s{i}")
-                start = await store.begin_turn(ConversationKey("t", f"s{i}"), time.time())
+                assert await one_turn(store, f"s{i}", tenant=f"t{i}")
+                start = await store.begin_turn(ConversationKey(f"t{i}", f"s{i}"), time.time())
                 assert start.handle == HANDLE and start.handle_state == "claimed"
+            for i in range(12):                                         # index and records share a slot
+                assert await one_turn(store, f"s{i}", tenant=f"t{i}", record=HELD)
+                [found] = await store.find_by_prefix(f"t{i}", [b"\x01" * 16, b"\x02" * 16], 8, time.time())
+                start = await store.begin_found_turn(found.key, found.turn, time.time())
+                assert start is not None and start.handle == HANDLE and found.key.session == f"s{i}"
             await store.close()
 
         asyncio.run(scenario())
