@@ -34,6 +34,7 @@ HistoryTokens = Literal["rendered", "generated"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 LogFormat = Literal["text", "json"]
 TracingMode = Literal["off", "console", "otlp"]
+ConversationLookup = Literal["session", "prefix", "both"]   # how a turn finds its conversation
 
 Seconds = Annotated[float, msgspec.Meta(gt=0)]            # a deadline or period: zero would never wait
 NonNegativeSeconds = Annotated[float, msgspec.Meta(ge=0)]
@@ -57,6 +58,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None                      # served name; None: ask the engines
     block_size: PositiveInt | None = None         # None: read vllm:cache_config_info from the engines
     session_header: str = DEFAULT_SESSION_HEADER
+    conversation_lookup: ConversationLookup = "both"  # session id, token prefix (no session id), or both
     decoder_kv_blocks_ttl_s: NonNegativeSeconds = DEFAULT_DECODER_KV_BLOCKS_TTL_S
     handle_ttl_margin_s: NonNegativeSeconds = DEFAULT_HANDLE_TTL_MARGIN_S
     conversation_ttl_s: Seconds = 86400.0

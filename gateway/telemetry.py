@@ -30,6 +30,9 @@ class Metrics:
             "pdgw_store_seconds", "Conversation store latency by operation", ["op"],
             buckets=LATENCY_BUCKETS, registry=r)
         self.store_errors = Counter("pdgw_store_errors", "Store operations that failed", ["op"], registry=r)
+        self.conversation_lookups = Counter(
+            "pdgw_conversation_lookups", "How turns found their conversation: session id, token prefix or new",
+            ["how"], registry=r)
         self.handles_released = Counter(
             "pdgw_handles_released", "D handles released unused, by why", ["reason"], registry=r)
         self.handles_missing = Counter(

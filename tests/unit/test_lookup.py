@@ -1,0 +1,175 @@
+"""Finding a conversation by its tokens: which holders a prompt may claim (table-driven), and the claims
+themselves over the embedded store: identical conversations each keep reusing, a shared prefix, branch or
+regenerate never takes another conversation's handle, tenants never meet."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.store import Conversation, ConversationKey, Holder, HolderState, MemoryConversationStore
+from gateway.turns.continuity import Fingerprint
+from gateway.turns.lookup import How, claimable
+from gateway.turns.sessionless import begin_sessionless
+
+BS = 4
+SYS = list(range(1, 11))                    # a system prompt many conversations share
+U1, A1 = [20, 21, 22, 23, 24], [30, 31, 32, 33, 34, 35]
+U2 = [40, 41, 42]
+P1 = SYS + U1                               # turn 1's prompt
+S1 = P1 + A1                                # what D holds after turn 1 (21 tokens); R = 20
+R1 = len(S1) - 1
+
+
+def stored(held: list[int], model: str = "m", engine: str = "d0") -> Conversation:
+    """The record a turn leaves when D holds `held` (prompt + output; R = all but the last token)."""
+    fp = Fingerprint.of(held, len(held) - 1, BS)
+    return Conversation(decode_engine=engine, model=model, block_size=BS, num_tokens=len(held),
+                        held_tokens=fp.held_tokens, block_hashes=fp.block_hashes, prefix_hash=fp.prefix_hash)
+
+
+def holder(record: Conversation, state: HolderState = "idle") -> Holder:
+    return Holder(ConversationKey("t", "s"), 1, record.held_tokens // BS, record, state)
+
+
+@pytest.mark.parametrize(("prompt", "claims"), [
+    (S1 + U2, True),                                    # the next turn: extends all of S1
+    (S1[:R1] + [99], True),                             # extends S1[:R] (the last sampled token has no KV)
+    (S1[:R1], True),                                    # exactly R tokens
+    (SYS + [25, 26, 27] + U2, False),                   # shares only the system prompt
+    (P1 + [30, 31, 32, 99, 98, 97] + U2, False),        # same first message, another answer
+    (P1, False),                                        # a regenerate of turn 1: shorter than R
+    (S1[:R1 - 1], False),                               # truncated history
+    (SYS + [20, 21, 29, 23, 24] + A1 + U2, False),      # an edited earlier message: a branch
+    (S1[:16] + [77] + S1[17:] + U2, False),             # diverges inside the last whole block
+    (S1[:R1 - 1] + [77] + U2, False),                   # diverges after the indexed blocks, before R
+])
+def test_only_a_prompt_that_extends_the_whole_held_sequence_claims(prompt: list[int], claims: bool) -> None:
+    assert bool(claimable(prompt, "m", [holder(stored(S1))])) is claims
+
+
+@pytest.mark.parametrize(("state", "model", "healthy", "claims"), [
+    ("idle", "m", True, True),
+    ("in_flight", "m", True, False),         # its own next turn has begun
+    ("expired", "m", True, False),
+    ("none", "m", True, False),
+    ("idle", "other-model", True, False),
+    ("idle", "m", False, False),             # its D is down: nothing to read
+])
+def test_only_live_idle_holders_of_the_same_model(state: HolderState, model: str, healthy: bool,
+                                                  claims: bool) -> None:
+    found = claimable(S1 + U2, model, [holder(stored(S1), state)], decode_ok=lambda engine: healthy)
+    assert bool(found) is claims
+
+
+def test_order_is_kept_and_misfits_dropped() -> None:
+    longer, shorter, other = stored(S1 + U2 + [50, 51, 52, 53, 54]), stored(S1), stored(SYS + [9, 9, 9, 9, 9, 9])
+    prompt = S1 + U2 + [50, 51, 52, 53, 54] + [60]
+    found = claimable(prompt, "m", [holder(longer), holder(other), holder(shorter)])
+    assert [h.record for h in found] == [longer, shorter]
+
+
+# -- over the embedded store ------------------------------------------------------------------------------
+
+def embedded() -> MemoryConversationStore:
+    return MemoryConversationStore(clock=lambda: 100.0)   # the turns below run at 100..102, handles live to 500
+
+
+async def first_turn(store: MemoryConversationStore, prompt: list[int], answer: list[int], handle: dict,
+                     tenant: str = "t") -> ConversationKey:
+    """A sessionless turn that starts a conversation and leaves `handle` for D's prompt + answer."""
+    found = await begin_sessionless(store, tenant, prompt, "m", BS, 100.0)
+    assert found.how == How.NEW
+    await finish(store, found.key, found.start.turn, prompt + answer, handle)
+    return found.key
+
+
+async def finish(store: MemoryConversationStore, key: ConversationKey, turn: int, held: list[int],
+                 handle: dict | None) -> None:
+    assert await store.finish_turn(key, turn, stored(held), handle, 500.0, 100.0)
+
+
+async def test_identical_conversations_each_claim_a_different_holder() -> None:
+    store = embedded()
+    keys = {await first_turn(store, P1, A1, {"h": 1}), await first_turn(store, P1, A1, {"h": 2})}
+    assert len(keys) == 2                                   # two users, same tokens: two conversations
+    turns = [await begin_sessionless(store, "t", S1 + U2, "m", BS, 101.0) for _ in range(3)]
+    assert [t.how for t in turns] == [How.PREFIX, How.PREFIX, How.NEW]
+    assert {t.key for t in turns[:2]} == keys
+    assert sorted(t.start.handle["h"] for t in turns[:2]) == [1, 2]   # never two reads of one handle
+    assert all(t.start.handle_state == "claimed" for t in turns[:2])
+
+
+async def test_a_claim_that_loses_the_race_tries_the_next_holder() -> None:
+    store = RacingStore()
+    for h in (1, 2):
+        await first_turn(store, P1, A1, {"h": h})
+    found = await begin_sessionless(store, "t", S1 + U2, "m", BS, 101.0)
+    assert found.how == How.PREFIX and store.rival is not None
+    assert {found.start.handle["h"], store.rival.handle["h"]} == {1, 2}
+
+
+class RacingStore(MemoryConversationStore):
+    """Another replica claims the first holder between this turn's lookup and its claim."""
+
+    rival = None
+
+    def __init__(self) -> None:
+        super().__init__(clock=lambda: 100.0)
+
+    async def find_by_prefix(self, *args, **kwargs):
+        holders = await super().find_by_prefix(*args, **kwargs)
+        if holders and self.rival is None:
+            self.rival = await self.begin_found_turn(holders[0].key, holders[0].turn, 101.0)
+        return holders
+
+
+@pytest.mark.parametrize("prompt", [
+    SYS + [25, 26, 27] + U2,                    # another user, same system prompt
+    P1,                                         # regenerate of turn 1
+    SYS + [20, 21, 29, 23, 24] + A1 + U2,       # branch: an earlier message edited
+    S1[:R1 - 1],                                # truncated
+])
+async def test_a_prompt_that_only_shares_a_prefix_never_takes_the_handle(prompt: list[int]) -> None:
+    store = embedded()
+    key = await first_turn(store, P1, A1, {"h": 1})
+    found = await begin_sessionless(store, "t", prompt, "m", BS, 101.0)
+    assert found.how == How.NEW and found.key != key and found.start.handle is None
+    assert (await store.get(key))[1] == {"h": 1}              # still there for its own next turn
+    again = await begin_sessionless(store, "t", S1 + U2, "m", BS, 102.0)
+    assert (again.how, again.key, again.start.handle) == (How.PREFIX, key, {"h": 1})
+
+
+async def test_a_found_conversation_goes_on_under_its_key() -> None:
+    store = embedded()
+    key = await first_turn(store, P1, A1, {"h": 1})
+    second = await begin_sessionless(store, "t", S1 + U2, "m", BS, 101.0)
+    assert (second.how, second.key, second.start.turn) == (How.PREFIX, key, 2)
+    await finish(store, key, 2, S1 + U2 + [50, 51, 52, 53, 54], {"h": 2})
+    third = await begin_sessionless(store, "t", S1 + U2 + [50, 51, 52, 53, 54, 60], "m", BS, 102.0)
+    assert (third.how, third.key, third.start.turn, third.start.handle) == (How.PREFIX, key, 3, {"h": 2})
+
+
+async def test_tenants_never_find_each_other() -> None:
+    store = embedded()
+    key = await first_turn(store, P1, A1, {"h": 1}, tenant="a")
+    found = await begin_sessionless(store, "b", S1 + U2, "m", BS, 101.0)
+    assert found.how == How.NEW and found.key.tenant == "b"
+    assert (await store.get(key))[1] == {"h": 1}
+
+
+async def test_prefix_lookup_off_starts_new() -> None:
+    store = embedded()
+    await first_turn(store, P1, A1, {"h": 1})
+    found = await begin_sessionless(store, "t", S1 + U2, "m", BS, 101.0, by_prefix=False)
+    assert found.how == How.NEW
+
+
+async def test_concurrent_identical_turns_never_share_a_handle() -> None:
+    store = embedded()
+    for h in range(3):
+        await first_turn(store, P1, A1, {"h": h})
+    turns = await asyncio.gather(*(begin_sessionless(store, "t", S1 + U2, "m", BS, 101.0) for _ in range(5)))
+    handles = [t.start.handle["h"] for t in turns if t.start.handle]
+    assert sorted(handles) == [0, 1, 2] and len({t.key for t in turns}) == 5
