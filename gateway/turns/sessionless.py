@@ -43,3 +43,22 @@ async def begin_sessionless(store: ConversationStore, tenant: str, prompt_ids: l
                 return Found(How.PREFIX, holder.key, start)
     key = ConversationKey(tenant, new_session())
     return Found(How.NEW, key, await store.begin_turn(key, now))
+
+
+class ConversationFinder:
+    """How every turn finds its conversation, per the `conversation_lookup` setting: by the client's session
+    id (which wins when given, unless the setting is `prefix`), else by its tokens, else a new one."""
+
+    def __init__(self, store: ConversationStore, mode: str, block_size: int,
+                 decode_ok: Callable[[str], bool] = lambda engine: True) -> None:
+        self.store, self.mode, self.block_size, self.decode_ok = store, mode, block_size, decode_ok
+
+    async def begin(self, session: ConversationKey | None, tenant: str, prompt_ids: list[int], model: str,
+                    now: float) -> Found | None:
+        """The begun turn and how its conversation was found; None: stateless (no id, lookup by id only)."""
+        if session is not None and self.mode != "prefix":
+            return Found(How.SESSION, session, await self.store.begin_turn(session, now))
+        if self.mode == "session":
+            return None
+        return await begin_sessionless(self.store, tenant, prompt_ids, model, self.block_size, now,
+                                       decode_ok=self.decode_ok)

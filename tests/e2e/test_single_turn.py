@@ -17,7 +17,7 @@ LONG = ("Please explain, step by step and with care, how a paged key value cache
 
 @pytest.fixture(scope="module")
 def pd():
-    with stack() as s:
+    with stack(gateway=["--conversation-lookup", "session"]) as s:   # stateless: a turn's D handle is released
         yield s
 
 
