@@ -1,7 +1,7 @@
 """vLLM's multi-turn benchmark's conversations (see multi_turn_benchmark.py) through the gateway on simulated
 engines, run once with conversation ids and once without: without them the gateway must find every
 conversation by its tokens and reuse at least 95 % of what it reuses with them. Each run gets fresh engines
-and gateway. `PDGW_MT_FULL=1` runs the benchmark's own sizes (24 conversations); by default a smaller set."""
+and gateway. `MULTI_TURN_FULL=1` runs the benchmark's own sizes (24 conversations); by default a smaller set."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def one_run(shape: Shape, *, with_ids: bool) -> tuple[float, float, object]:
 
 
 def test_sessionless_reuse_matches_session_reuse():
-    shape = Shape() if os.environ.get("PDGW_MT_FULL") else SMALL
+    shape = Shape() if os.environ.get("MULTI_TURN_FULL") else SMALL
     with_ids = one_run(shape, with_ids=True)
     without = one_run(shape, with_ids=False)
     for name, (reused, computed, result) in (("with ids", with_ids), ("without ids", without)):
