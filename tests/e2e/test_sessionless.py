@@ -8,7 +8,10 @@ the simulators count every read of KV computed for other tokens and every second
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 from dataclasses import dataclass
+
+import openai
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -45,8 +48,10 @@ class Reply:
         return self.prompt + self.output
 
 
-def send(pd: Stack, messages: list[dict], *, check: bool = True) -> Reply:
-    raw = pd.client().chat.completions.with_raw_response.create(
+def send(pd: Stack, messages: list[dict], *, check: bool = True, api_key: str | None = None) -> Reply:
+    client = pd.client() if api_key is None else openai.OpenAI(
+        base_url=pd.gateway.url + "/v1", api_key=api_key, max_retries=0, timeout=30)
+    raw = client.chat.completions.with_raw_response.create(
         model="demo", messages=messages, max_tokens=150, extra_body={"return_token_ids": True})
     out = raw.parse().model_dump()
     reply = Reply(raw.headers["x-pd-plan"], raw.headers["x-pd-reason"], raw.headers["x-pd-conversation"],
@@ -58,9 +63,9 @@ def send(pd: Stack, messages: list[dict], *, check: bool = True) -> Reply:
     return reply
 
 
-def say(pd: Stack, messages: list[dict], content: str) -> Reply:
+def say(pd: Stack, messages: list[dict], content: str, api_key: str | None = None) -> Reply:
     messages.append({"role": "user", "content": content})
-    reply = send(pd, messages)
+    reply = send(pd, messages, api_key=api_key)
     messages.append({"role": "assistant", "content": reply.text})
     return reply
 
@@ -112,6 +117,20 @@ def test_shared_prefixes_and_regenerates_never_take_a_handle(pd):
     then = say(pd, owner, "And then?")
     assert (then.plan, then.how) == ("reuse", "prefix")      # its handle was never taken
     assert_clean(pd)
+
+
+def test_another_tenant_never_finds_it():
+    keys = {"a": "key-of-tenant-a", "b": "key-of-tenant-b"}
+    api_keys = [f"{t}:{hashlib.sha256(k.encode()).hexdigest()}" for t, k in keys.items()]
+    with stack(sim=["--output-tokens", "70:110"], gateway=["--api-keys", *api_keys]) as pd:
+        owner = [SYSTEM]
+        say(pd, owner, FIRST[0] + " (tenant a)", api_key=keys["a"])
+        owner.append({"role": "user", "content": "Go on."})
+        other = send(pd, owner, api_key=keys["b"])             # tenant b sends a's exact next turn
+        assert (other.plan, other.how) == ("full", "new")
+        mine = send(pd, owner, api_key=keys["a"])
+        assert (mine.plan, mine.how) == ("reuse", "prefix")     # a's handle was still there
+        assert_clean(pd)
 
 
 # -- the oracle ------------------------------------------------------------------------------------------
