@@ -11,7 +11,7 @@ import pytest
 from gateway.store import Conversation, ConversationKey, Holder, HolderState, MemoryConversationStore
 from gateway.turns.continuity import Fingerprint
 from gateway.turns.lookup import How, claimable
-from gateway.turns.sessionless import begin_sessionless
+from gateway.turns.sessionless import ConversationFinder, begin_sessionless
 
 BS = 4
 SYS = list(range(1, 11))                    # a system prompt many conversations share
@@ -173,3 +173,22 @@ async def test_concurrent_identical_turns_never_share_a_handle() -> None:
     turns = await asyncio.gather(*(begin_sessionless(store, "t", S1 + U2, "m", BS, 101.0) for _ in range(5)))
     handles = [t.start.handle["h"] for t in turns if t.start.handle]
     assert sorted(handles) == [0, 1, 2] and len({t.key for t in turns}) == 5
+
+
+@pytest.mark.parametrize(("mode", "session", "how"), [
+    ("both", "mine", How.SESSION),        # a session id wins
+    ("both", None, How.PREFIX),
+    ("session", "mine", How.SESSION),
+    ("session", None, None),              # no id, no lookup: stateless
+    ("prefix", "mine", How.PREFIX),       # ids ignored: found by tokens
+    ("prefix", None, How.PREFIX),
+])
+async def test_conversation_lookup_setting(mode: str, session: str | None, how: How | None) -> None:
+    store = embedded()
+    await first_turn(store, P1, A1, {"h": 1})
+    finder = ConversationFinder(store, mode, BS)
+    key = ConversationKey("t", session) if session else None
+    found = await finder.begin(key, "t", S1 + U2, "m", 101.0)
+    assert (found.how if found else None) == how
+    if how == How.SESSION:
+        assert found.key == key and found.start.turn == 1
