@@ -87,7 +87,7 @@ async def _turn(request: Request, gateway: Gateway, schema: type, intake: Callab
     turn = intake(body, parsed, _request_id(request))
     gateway.metrics.turn_seconds.labels("intake").observe(time.perf_counter() - began)
     session = _session(request, body, gateway.settings.session_header, tenant)
-    return _respond(await gateway.runner.run(turn, session))
+    return _respond(await gateway.runner.run(turn, session, tenant))
 
 
 def _respond(reply: TurnReply) -> ASGIApp:

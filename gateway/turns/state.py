@@ -11,7 +11,7 @@ from typing import TypeVar
 
 import msgspec
 
-from gateway.config import Settings
+from gateway.config import DEFAULT_TENANT, Settings
 from gateway.engines import kv
 from gateway.engines.pool import EnginePool
 from gateway.store import Answer, Conversation, ConversationKey, ConversationStore, StoreUnavailableError, TurnStart
@@ -23,6 +23,7 @@ from gateway.turns.plan import Claim, Plan, Reason
 from gateway.turns.release import HandleReleaser
 from gateway.turns.render import Renderer
 from gateway.turns.request import TurnRequest
+from gateway.turns.sessionless import ConversationFinder, Found
 
 log = logging.getLogger("gateway.turn")
 T = TypeVar("T")
@@ -42,15 +43,26 @@ class ConversationState:
         self.store, self.decode_pool, self.releaser = store, decode, releaser
         self.metrics, self.settings, self.block_size = metrics, settings, block_size
         self.renderer = renderer        # history_tokens "generated": to keep D's answers as it made them
+        self.finder = ConversationFinder(store, settings.conversation_lookup, block_size, self._usable)
 
     # -- begin ---------------------------------------------------------------------------------------------
-    async def begin(self, req: TurnRequest, session: ConversationKey) -> tuple[TurnStart, Claim]:
-        """Claim the conversation's handle (at most once, atomically in the store). Raises
-        StoreUnavailableError: the turn is then served stateless."""
-        start = await self._timed("begin_turn", self.store.begin_turn(session, time.time()))
+    async def begin(self, req: TurnRequest, session: ConversationKey | None,
+                    tenant: str = DEFAULT_TENANT) -> tuple[Found | None, Claim | None]:
+        """Find the turn's conversation (by its session id, else by its tokens: sessionless.py, else a new one)
+        and claim its handle (at most once, atomically in the store). (None, None): no conversation (no session
+        id and lookup by session id only). Raises StoreUnavailableError: the turn is then served stateless."""
+        found = await self._timed("begin_turn", self.finder.begin(
+            session, tenant, req.prompt_ids, req.model, time.time()))
+        if found is None:
+            return None, None
+        start = found.start
         if req.rerender is not None and start.record is not None and start.record.answers:
             req.prompt_ids = req.rerender(start.record.answers)      # past answers as D generated them
-        return start, self._claim(req, start)
+        return found, self._claim(req, start)
+
+    def _usable(self, decode_url: str) -> bool:
+        holder = self.decode_pool.get(decode_url)
+        return holder is not None and holder.healthy
 
     def _claim(self, req: TurnRequest, start: TurnStart) -> Claim:
         record = start.record

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from gateway.config import Settings
+from gateway.config import DEFAULT_TENANT, Settings
 from gateway.engines import kv, routing, sse
 from gateway.engines.client import EngineClient, EngineStream
 from gateway.engines.pool import Engine, EnginePool
@@ -30,6 +30,7 @@ from gateway.turns.admission import Admission, Ticket
 from gateway.turns.calls import EngineCalls, LegSetback
 from gateway.turns.capture import DecodeCapture
 from gateway.turns.legs import decode_body, prefill_body, prompt_ids_of
+from gateway.turns.lookup import How
 from gateway.turns.plan import Leg, Plan, Reason, Replan, Setback
 from gateway.turns.release import HandleReleaser
 from gateway.turns.request import TurnRequest
@@ -63,6 +64,8 @@ class Turn:
     failed: set[str] = field(default_factory=set)     # engines that failed this turn: not picked again
     last_error: GatewayError | None = None
     trace: TurnTrace = NO_TURN                         # its spans, when tracing is on
+    tenant: str = DEFAULT_TENANT
+    how: How = How.NEW                                 # how its conversation was found (X-PD-Conversation)
 
     def take(self, setback: LegSetback, step: Replan) -> None:
         """Apply the planner's answer to a setback: exclude the engine, spend a retry (or give up)."""
@@ -90,9 +93,9 @@ class TurnRunner:
         self.metrics, self.settings, self.tracing = metrics, settings, tracing
         self.admission = Admission(settings.max_concurrent_turns, settings.max_queued_prompt_tokens)
 
-    async def run(self, req: TurnRequest, session: ConversationKey | None) -> TurnReply:
+    async def run(self, req: TurnRequest, session: ConversationKey | None, tenant: str = DEFAULT_TENANT) -> TurnReply:
         turn = Turn(req, session, self.admission.admit(len(req.prompt_ids)), time.perf_counter(),
-                    retries_left=self.settings.max_retries)
+                    retries_left=self.settings.max_retries, tenant=tenant)
         turn.trace = self.tracing.turn(req)
         try:
             await self._plan(turn)
@@ -107,13 +110,19 @@ class TurnRunner:
 
     # -- planning ------------------------------------------------------------------------------------------
     async def _plan(self, turn: Turn) -> None:
-        if turn.session is None:
-            turn.plan = plans.full(Reason.NO_SESSION)
-            return
         try:
-            turn.start, claim = await self.state.begin(turn.req, turn.session)
+            found, claim = await self.state.begin(turn.req, turn.session, turn.tenant)
         except StoreUnavailableError:
             turn.plan = plans.full(Reason.STORE_UNAVAILABLE)
+            return
+        turn.how = found.how if found else How.NEW
+        self.metrics.conversation_lookups.labels(turn.how.value).inc()
+        if found is None or claim is None:       # no session id and lookup by id only: stateless
+            turn.plan = plans.full(Reason.NO_SESSION)
+            return
+        turn.session, turn.start = found.key, found.start    # a found or new conversation has a key now
+        if found.how is How.NEW:
+            turn.plan = plans.full(Reason.NO_SESSION)
             return
         turn.plan = plans.first_plan(turn.req.prompt_ids, claim)
 
@@ -270,7 +279,8 @@ class TurnRunner:
         headers = {"X-Request-Id": turn.req.request_id}
         if self.settings.pd_headers:
             headers.update({"X-PD-Plan": turn.plan.kind.value, "X-PD-Reason": turn.plan.reason.value,
-                            "X-PD-Reused-Tokens": str(min(turn.plan.reused_tokens, len(turn.req.prompt_ids)))})
+                            "X-PD-Reused-Tokens": str(min(turn.plan.reused_tokens, len(turn.req.prompt_ids))),
+                            "X-PD-Conversation": turn.how.value})
         return headers
 
     def _observe(self, phase: str, began: float) -> None:
