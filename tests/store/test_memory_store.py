@@ -48,3 +48,18 @@ async def test_records_are_not_aliased() -> None:
     record.output_ids.append(2)
     handle["ids"].append(2)
     assert (await store.begin_turn(key, 2.0)).record == Conversation(output_ids=[1])
+
+
+async def test_evicted_and_expired_conversations_leave_the_index() -> None:
+    clock = FakeClock()
+    store = MemoryConversationStore(max_conversations=2, conversation_ttl_s=10, clock=clock)
+    record = Conversation(block_size=4, held_tokens=8, block_hashes=b"\x01" * 16 + b"\x02" * 16)
+    for session in "abc":                              # a is evicted by c
+        key = ConversationKey("t", session)
+        start = await store.begin_turn(key, clock.now)
+        assert await store.finish_turn(key, start.turn, record, {"h": session}, clock.now + 60, clock.now)
+    found = await store.find_by_prefix("t", [b"\x01" * 16, b"\x02" * 16], 8, clock.now)
+    assert sorted(h.key.session for h in found) == ["b", "c"]
+    clock.now += 11                                    # b and c expire with their conversations
+    assert await store.find_by_prefix("t", [b"\x01" * 16, b"\x02" * 16], 8, clock.now) == []
+    assert store._index == {}                          # nothing left behind
