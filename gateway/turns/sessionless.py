@@ -3,7 +3,8 @@
 One prefix lookup (one store round trip), then a claim of the first holder `lookup.claimable` keeps. The
 claim (`begin_found_turn`) succeeds only if that conversation is still exactly as the lookup saw it, and
 claims the handle at most once across every replica; a claim that loses a race (another sessionless turn of
-an identical conversation, or the holder's own next turn) changes nothing, and the next holder is tried.
+an identical conversation, or the holder's own next turn) changes nothing, and the next holder is tried (if
+a whole page of holders was lost, one more lookup fetches the next page: the claimed ones have left the index).
 When none is left the turn starts a new conversation under a generated session key, so its answer is stored
 and indexed for the next turn to find.
 """
@@ -14,10 +15,11 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.store import ConversationKey, ConversationStore, TurnStart
+from gateway.store import DEFAULT_MAX_HOLDERS, ConversationKey, ConversationStore, TurnStart
 from gateway.turns.lookup import How, claimable, prompt_hashes
 
 GENERATED_PREFIX = "pdgw-"  # generated session keys: never shown to clients, 128 random bits
+LOOKUPS = 2  # a full page of holders all lost to racers: look once more (the claimed ones have left the index)
 
 
 @dataclass(frozen=True)
@@ -36,11 +38,15 @@ async def begin_sessionless(store: ConversationStore, tenant: str, prompt_ids: l
                             decode_ok: Callable[[str], bool] = lambda engine: True) -> Found:
     """Begin the turn of a request without a session id. Raises StoreUnavailableError like `begin_turn`."""
     if by_prefix and block_size > 0:
-        holders = await store.find_by_prefix(tenant, prompt_hashes(prompt_ids, block_size), len(prompt_ids), now)
-        for holder in claimable(prompt_ids, model, holders, decode_ok):
-            start = await store.begin_found_turn(holder.key, holder.turn, now)
-            if start is not None:
-                return Found(How.PREFIX, holder.key, start)
+        hashes = prompt_hashes(prompt_ids, block_size)
+        for _ in range(LOOKUPS):
+            holders = await store.find_by_prefix(tenant, hashes, len(prompt_ids), now, DEFAULT_MAX_HOLDERS)
+            for holder in claimable(prompt_ids, model, holders, decode_ok):
+                start = await store.begin_found_turn(holder.key, holder.turn, now)
+                if start is not None:
+                    return Found(How.PREFIX, holder.key, start)
+            if len(holders) < DEFAULT_MAX_HOLDERS:
+                break          # that was every holder there is
     key = ConversationKey(tenant, new_session())
     return Found(How.NEW, key, await store.begin_turn(key, now))
 

@@ -8,7 +8,14 @@ import asyncio
 
 import pytest
 
-from gateway.store import Conversation, ConversationKey, Holder, HolderState, MemoryConversationStore
+from gateway.store import (
+    DEFAULT_MAX_HOLDERS,
+    Conversation,
+    ConversationKey,
+    Holder,
+    HolderState,
+    MemoryConversationStore,
+)
 from gateway.turns.continuity import Fingerprint
 from gateway.turns.lookup import How, claimable
 from gateway.turns.sessionless import ConversationFinder, begin_sessionless
@@ -192,3 +199,31 @@ async def test_conversation_lookup_setting(mode: str, session: str | None, how: 
     assert (found.how if found else None) == how
     if how == How.SESSION:
         assert found.key == key and found.start.turn == 1
+
+
+async def test_a_page_of_lost_races_looks_again() -> None:
+    """Many identical conversations, many racers: when every holder of the first page was claimed by others
+    between the lookup and the claim, a second lookup finds the next ones."""
+    store = LosingStore()
+    for h in range(DEFAULT_MAX_HOLDERS + 2):
+        await first_turn(store, P1, A1, {"h": h})
+    store.lookups = 0
+    found = await begin_sessionless(store, "t", S1 + U2, "m", BS, 101.0)
+    assert found.how == How.PREFIX and store.lookups == 2
+
+
+class LosingStore(MemoryConversationStore):
+    """Other replicas win every claim on the first page of holders."""
+
+    lookups = 0
+
+    def __init__(self) -> None:
+        super().__init__(clock=lambda: 100.0)
+
+    async def find_by_prefix(self, *args, **kwargs):
+        holders = await super().find_by_prefix(*args, **kwargs)
+        self.lookups += 1
+        if self.lookups == 1:
+            for holder in holders:
+                assert await self.begin_found_turn(holder.key, holder.turn, 101.0) is not None
+        return holders
