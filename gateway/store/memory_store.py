@@ -157,7 +157,12 @@ class MemoryConversationStore:
         digest = index_hash(record) if handle_blob is not None and handle_expires_at > now else None
         if digest is not None:
             entry.indexed = digest
-            self._index.setdefault((key.tenant, digest), {})[key] = handle_expires_at
+            members = self._index.setdefault((key.tenant, digest), {})
+            # Dead handles leave first, as in Redis, so a set many identical conversations share stays the
+            # size of its live holders (in insertion order, which is expiry order under one handle TTL).
+            while members and next(iter(members.values())) <= now:
+                del members[next(iter(members))]
+            members[key] = handle_expires_at
         self._write(key, entry)
         return True
 
