@@ -23,6 +23,10 @@ def one_run(shape: Shape, *, with_ids: bool) -> tuple[float, float, object]:
         result = asyncio.run(run(pd.gateway.url, shape, with_ids=with_ids))
         reused = pd.metric("pdgw_prompt_tokens_total", source="reused")
         computed = pd.metric("pdgw_prompt_tokens_total", source="computed")
+        # The plan phase holds the store work: a claim by id, or a lookup and a claim.
+        plan_ms = 1e3 * pd.metric("pdgw_turn_seconds_sum", phase="plan") / pd.metric("pdgw_turn_seconds_count",
+                                                                                    phase="plan")
+        print(f"{'with' if with_ids else 'without'} ids: plan phase mean {plan_ms:.3f} ms")
         assert pd.total("kv_reads_corrupt") == 0 and pd.total("handles_double_read") == 0
     return reused, computed, result
 
