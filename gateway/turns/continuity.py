@@ -102,6 +102,11 @@ def block_hashes(ids: list[int], block_size: int, limit: int | None = None) -> l
     return [chain[i:i + HASH_BYTES] for i in range(0, len(chain), HASH_BYTES)]
 
 
+def chain_bytes(ids: list[int], block_size: int, limit: int | None = None, known: bytes = b"") -> bytes:
+    """`_chain`, for the prefix lookup's memo of recent prompts (turns/lookup.py)."""
+    return _chain(ids, block_size, limit, known)
+
+
 def _chain(ids: list[int], block_size: int, limit: int | None = None, known: bytes = b"") -> bytes:
     """block_hashes, concatenated. `known`: the hashes of leading blocks already established equal to these
     ids' own; the chain continues from there, so a turn hashes only its new blocks."""

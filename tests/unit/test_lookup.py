@@ -16,8 +16,9 @@ from gateway.store import (
     HolderState,
     MemoryConversationStore,
 )
-from gateway.turns.continuity import Fingerprint
-from gateway.turns.lookup import How, claimable
+from gateway.turns.continuity import Fingerprint, block_hashes
+from gateway.turns.lookup import How, PromptChains, claimable
+from gateway.turns.pieces import TokenIds
 from gateway.turns.sessionless import ConversationFinder, begin_sessionless
 
 BS = 4
@@ -227,3 +228,35 @@ class LosingStore(MemoryConversationStore):
             for holder in holders:
                 assert await self.begin_found_turn(holder.key, holder.turn, 101.0) is not None
         return holders
+
+
+# -- the memo of recent prompts' chains ------------------------------------------------------------------
+
+BASE = list(range(100, 164))                     # 16 blocks of 4
+
+
+@pytest.mark.parametrize("prompt", [
+    BASE + [1, 2, 3, 4, 5, 6],                   # the next turn: the memo covers all 16 blocks
+    BASE,                                        # the same prompt again
+    BASE[:30],                                   # shorter (regenerate): the first 7 blocks
+    BASE[:21] + [0] + BASE[22:],                 # differs inside block 5: the bytes say so, blocks 5+ hashed
+    [7] + BASE[1:],                              # another first block
+    BASE[:3],                                    # under one block
+])
+@pytest.mark.parametrize("as_token_ids", [False, True])
+def test_remembered_chains_are_the_prompts_own(prompt: list[int], as_token_ids: bool) -> None:
+    chains = PromptChains()
+    chains.hashes(TokenIds(BASE), BS)
+    chains.hashes(BASE[:12] + [9] * 20, BS)       # a branch sharing the first 3 blocks
+    ids = TokenIds(prompt) if as_token_ids else prompt
+    assert chains.hashes(ids, BS) == block_hashes(prompt, BS)
+    assert chains.hashes(ids, BS) == block_hashes(prompt, BS)    # and once remembered itself
+
+
+def test_remembered_chains_are_bounded() -> None:
+    chains = PromptChains(max_bytes=2_000)
+    for i in range(50):
+        chains.hashes([i] * 40, BS)
+        chains.hashes([i] * 40 + [1] * 8, BS)     # supersedes the one before: same start, longer
+    assert chains._bytes <= 2_000
+    assert chains._bytes == sum(len(t) + len(c) for e in chains._by_start.values() for t, c in e)
