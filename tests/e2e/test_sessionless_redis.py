@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import concurrent.futures
 
-import openai
 import pytest
 
 from tests.e2e.stack import Stack, stack
