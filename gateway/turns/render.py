@@ -18,7 +18,7 @@ from typing import Any
 
 from gateway.errors import InvalidRequestError
 from gateway.store import Answer
-from gateway.turns.generated import answer, splice
+from gateway.turns.generated import answer, splice, text_of
 from gateway.turns.pieces import DEFAULT_CACHE_TOKENS, PieceEncoder, TokenIds, exact_specials
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -109,12 +109,12 @@ class Renderer:
                                       param="messages") from None
 
     def answer(self, output_ids: list[int], text: str) -> Answer | None:
-        """D's output as a reusable answer: only if its ids (without the end-of-turn token) decode to exactly
-        the text the client got (not so with reasoning split out of the content, for one)."""
+        """D's output as a reusable answer: only if its ids (without the end-of-turn token) decode to the text
+        the client got (`text_of`; not so with reasoning split out of the content, for one)."""
         ids = list(output_ids)
         while ids and ids[-1] in self.special_ids:
             ids.pop()
-        return answer(text, ids) if ids and text and self.decode(ids) == text else None
+        return answer(text, ids) if ids and text and text_of(self.decode(ids), text) else None
 
     def render_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
