@@ -25,7 +25,7 @@ HELP = {
     "handle_ttl_margin_s": "stop using a D handle this long before D unpins it",
     "conversation_ttl_s": "forget a conversation this long after its last turn",
     "stream_handle_policy": "when D streams without its handle: miss (count it) or buffer (non-streamed D leg, re-streamed)",
-    "history_tokens": "rendered (default) or generated",
+    "history_tokens": "generated (default: past answers as D's own ids) or rendered (as their text, re-encoded)",
     "decode_load_bound": "outstanding requests above which a conversation leaves its D",
     "prefill_affinity": "prefer the P that prefilled the conversation's last turn (its prefix cache holds that prompt)",
     "prefill_affinity_slack_tokens": "keep that P while its queued prompt tokens exceed the least loaded P's by at most this",
