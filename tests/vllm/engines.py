@@ -106,6 +106,10 @@ class Engine:
         """Prompt tokens this engine took from the other engine's KV (vLLM's own count)."""
         return self.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
 
+    def computed_tokens(self) -> float:
+        """Prompt tokens this engine computed itself (neither its prefix cache nor the other engine's KV)."""
+        return self.metric("vllm:prompt_tokens_by_source_total", source="local_compute")
+
     def nixl_bytes(self) -> float:
         """Bytes this engine's NIXL reads moved (whole blocks)."""
         return self.metric("vllm:nixl_bytes_transferred_sum")
