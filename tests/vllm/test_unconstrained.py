@@ -12,7 +12,7 @@ import pytest
 
 from gateway.turns.render import Renderer
 from tests.vllm.chat import Chat
-from tests.vllm.engines import BLOCK_SIZE
+from tests.vllm.engines import BLOCK_SIZE, SERVED_MODEL
 
 pytestmark = pytest.mark.vllm
 
@@ -22,9 +22,8 @@ QUESTIONS = [
     "What happens when the cache is full?",
     "And how does prefix caching share blocks between requests?",
 ]
-# Greedy, so this conversation is fixed: its second answer stops inside a UTF-8 character (found with
-# tests/vllm/measure_history.py). vLLM withholds that character's bytes from the text the client gets.
-CUT_INSIDE_A_CHARACTER = "Conversation 5 (generated, stream=False)."
+REPLACEMENT = "\ufffd"
+MIN_CUT = 30      # turn 2 then reads > kv_recompute_threshold (64) tokens from D: vLLM would recompute fewer
 
 
 def free_chat(engines, gateway, system: str | None = None) -> Chat:
@@ -35,11 +34,31 @@ def free_chat(engines, gateway, system: str | None = None) -> Chat:
     return chat
 
 
+def cut_inside_a_character(engines, renderer: Renderer) -> tuple[str, int]:
+    """A system line and a max_tokens for which the first answer stops right after a lone byte of a multi-byte
+    character: vLLM then withholds that byte (U+FFFD) from the text the client gets. Found on the model's own
+    engine (greedy: the gateway's turn gives the same tokens), so it holds whatever the random weights are."""
+    for n in range(20):
+        system = f"Conversation {n}, cut inside a character."
+        out = engines.free_prefill.post("/v1/chat/completions", {
+            "model": SERVED_MODEL, "messages": [{"role": "system", "content": system},
+                                                {"role": "user", "content": QUESTIONS[0]}],
+            "max_tokens": 80, "temperature": 0, "return_token_ids": True, "cache_salt": uuid.uuid4().hex})
+        ids = out["choices"][0]["token_ids"]
+        for k in range(MIN_CUT, len(ids) + 1):
+            lone_byte = renderer.decode(ids[k - 1:k]) == REPLACEMENT
+            if lone_byte and not renderer.decode(ids[:k - 1]).endswith(REPLACEMENT):
+                return system, k
+    raise AssertionError("no answer of 20 stops inside a character: is the model unconstrained?")
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_default_history_reads_d_kv_on_every_turn(engines, free_gateway, free_model_dir, stream):
     renderer = Renderer(str(free_model_dir))
-    c = free_chat(engines, free_gateway, CUT_INSIDE_A_CHARACTER)
+    system, cut = cut_inside_a_character(engines, renderer)
+    c = free_chat(engines, free_gateway, system)
     for i, question in enumerate(QUESTIONS):
+        c.max_tokens = cut if i == 0 else 80
         turn = c.say(question, stream=stream)
         assert turn.exact, f"turn {i + 1} differs from the engine alone given the same prompt ids"
         if i == 0:
@@ -49,11 +68,10 @@ def test_default_history_reads_d_kv_on_every_turn(engines, free_gateway, free_mo
         assert (turn.plan, turn.reason, turn.reused) == ("reuse", "continuous", held), f"turn {i + 1}"
         cached_on_p = len(previous.prompt_ids) // BLOCK_SIZE * BLOCK_SIZE
         assert turn.prefill_loaded == held - cached_on_p > 0, f"turn {i + 1}: P did not read D's KV"
-    # What makes this model the test: no answer re-tokenizes to D's ids, and the second one's text as the client
-    # got it lacks its last, cut character (the gateway used to drop such an answer: the next turn diverged).
-    assert all(renderer.tokenizer.encode(t.text, add_special_tokens=False) != t.token_ids for t in c.turns)
-    decoded = renderer.decode(c.turns[1].token_ids)
-    assert decoded != c.turns[1].text and decoded.startswith(c.turns[1].text)
+    # What makes this model the test: its answers do not re-tokenize to D's ids, and the first one's text as the
+    # client got it lacks the cut character's byte (the gateway used to drop such an answer: turn 2 diverged).
+    assert all(renderer.tokenizer.encode(t.text, add_special_tokens=False) != t.token_ids for t in c.turns[1:])
+    assert renderer.decode(c.turns[0].token_ids) == c.turns[0].text + REPLACEMENT
 
 
 def test_rendered_history_loses_d_kv(engines, free_gateway_rendered):
