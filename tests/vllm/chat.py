@@ -59,13 +59,14 @@ class Chat(TurnTaking):
     max_tokens: int = 80
     baseline_by_ids: bool = False
     cache_salt: str | None = None         # sent to the gateway (and so to P and D): keeps other tests' prompts out
+    tools: list[dict] | None = None
 
     def ask(self, *, stream: bool = False) -> Turn:
         before = self.prefill.loaded_tokens(), self.decode.loaded_tokens(), self.prefill.computed_tokens()
         headers = {"X-Session-Id": self.session} if self.session else {}
         raw = client(self.gateway.url).chat.completions.with_raw_response.create(
             model=SERVED_MODEL, messages=self.messages, max_tokens=self.max_tokens, temperature=0, stream=stream,
-            extra_headers=headers,
+            extra_headers=headers, **({"tools": self.tools} if self.tools else {}),
             extra_body={"return_token_ids": True, **({"cache_salt": self.cache_salt} if self.cache_salt else {})},
             **({"stream_options": {"include_usage": True}} if stream else {}))
         text, ids, prompt_ids = _streamed(raw.parse()) if stream else _whole(raw.parse())
@@ -81,7 +82,8 @@ class Chat(TurnTaking):
         """The same messages on one engine alone; a fresh cache salt so it computes everything itself."""
         out = self.baseline.post("/v1/chat/completions", {
             "model": SERVED_MODEL, "messages": self.messages, "max_tokens": self.max_tokens, "temperature": 0,
-            "return_token_ids": True, "cache_salt": uuid.uuid4().hex}, timeout_s=TIMEOUT_S)
+            "return_token_ids": True, "cache_salt": uuid.uuid4().hex, **({"tools": self.tools} if self.tools else {})},
+            timeout_s=TIMEOUT_S)
         choice = out["choices"][0]
         return choice["message"]["content"], choice["token_ids"], out["prompt_token_ids"]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.servers import Server, start
-from tests.vllm.engines import PIN_TTL_S, Engine, launch, wait_healthy
+from tests.vllm.engines import PIN_TTL_S, TOOL_FLAGS, Engine, launch, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD_TIMEOUT_S = 900
@@ -95,9 +95,9 @@ class Engines:
 def engines(vllm_python: str, model_dir: Path, free_model_dir: Path, log_dir: Path) -> Iterator[Engines]:
     pool = Engines(vllm_python, model_dir, log_dir)
     try:
-        pool.prefill = pool.start("prefill", "p0")
-        pool.decode = pool.start("decode", "d0")
-        pool.baseline = pool.start("colocated", "baseline")
+        pool.prefill = pool.start("prefill", "p0", flags=TOOL_FLAGS)
+        pool.decode = pool.start("decode", "d0", flags=TOOL_FLAGS)
+        pool.baseline = pool.start("colocated", "baseline", flags=TOOL_FLAGS)
         # For PROTOCOL.md's open points (tests/vllm/test_findings.py): P under `fail`, P without bidirectional.
         pool.prefill_fail = pool.start("prefill", "p-fail", policy="fail")
         pool.prefill_oneway = pool.start("prefill", "p-oneway", bidirectional=False)
