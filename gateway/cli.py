@@ -28,7 +28,7 @@ HELP = {
     "conversation_ttl_s": "forget a conversation this long after its last turn",
     "decode_pin_budget": "fraction of each D's KV blocks the stored handles may pin; over it the least recently used idle ones are released (0: off, TTL only)",
     "stream_handle_policy": "when D streams without its handle: miss (count it) or buffer (non-streamed D leg, re-streamed)",
-    "history_tokens": "rendered (default) or generated",
+    "history_tokens": "generated (default: past answers as D's own ids) or rendered (as their text, re-encoded)",
     "decode_load_bound": "outstanding requests above which a conversation leaves its D",
     "prefill_affinity": "prefer the P that prefilled the conversation's last turn (its prefix cache holds that prompt)",
     "prefill_affinity_slack_tokens": "keep that P while its queued prompt tokens exceed the least loaded P's by at most this",

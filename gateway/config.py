@@ -64,7 +64,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     conversation_ttl_s: Seconds = 86400.0
     decode_pin_budget: Fraction = DEFAULT_DECODE_PIN_BUDGET  # of D's KV blocks its stored handles may pin; 0: off
     stream_handle_policy: StreamHandlePolicy = "miss"
-    history_tokens: HistoryTokens = "rendered"
+    history_tokens: HistoryTokens = "generated"    # keeps D's KV when answers re-tokenize otherwise (vllm-findings)
     decode_load_bound: PositiveInt = 64            # outstanding requests above which affinity yields
     prefill_affinity: bool = True                  # prefer the P that prefilled the conversation's last turn
     prefill_affinity_slack_tokens: int = 2048      # ... while within this many queued prompt tokens of the least loaded

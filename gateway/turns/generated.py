@@ -11,6 +11,11 @@ Answers that called tools are kept under the key of their content and calls as p
 client sends them back as `tool_calls`, which the template re-renders from parsed JSON, not as D's text. An
 assistant message whose content and calls have a kept key is rendered as D's text instead (`substitutions`),
 and that text, which spans several pieces (<tool_call> is a token of its own), is sent as D's ids.
+
+Which text belongs to D's ids is what the engine's detokenizer made of them, not a plain decode: vLLM decodes
+incrementally and holds text back while it ends inside a UTF-8 character (U+FFFD so far), so an answer whose
+last tokens stop mid-character (a length cut, or an end-of-turn token after a byte piece) reaches the client
+without that tail, while decoding the ids gives it as U+FFFD. `text_of` accepts that, and nothing else.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from gateway.turns.pieces import PieceEncoder, TokenIds
 from gateway.turns.tools import TOOL_BLOCK, calls_key, parse_generated, same_calls
 
 MAX_ANSWER_TOKENS = 32768        # kept per conversation; older answers fall back to their re-encoded text
+REPLACEMENT = "\ufffd"           # what decoding puts for bytes that are not (yet) a whole UTF-8 character
 
 
 def text_hash(text: str) -> bytes:
@@ -34,6 +40,14 @@ def text_hash(text: str) -> bytes:
 
 def answer(text: str, ids: list[int]) -> Answer:
     return Answer(len(text), text_hash(text), list(ids))
+
+
+def text_of(decoded: str, text: str) -> bool:
+    """Whether `text`, what the client got, is the engine's text for ids that decode to `decoded`: equal, or
+    `decoded` minus a tail of U+FFFD the engine withheld (bytes of characters it never completed). A tail with
+    whole characters in it is not accepted (the answer is then re-encoded from its text: safe, no reuse)."""
+    tail = decoded[len(text):]
+    return decoded.startswith(text) and tail == REPLACEMENT * len(tail)
 
 
 def remember(answers: list[Answer], new: Answer) -> list[Answer]:

@@ -16,7 +16,7 @@ _STRIPPED = ("kv_transfer_params", "conversation_id", "session_id", "request_id"
 
 class Intake:
     def __init__(self, renderer: Renderer, served_models: list[str], max_messages: int = 4096,
-                 history_tokens: str = "rendered", max_model_len: int | None = None) -> None:
+                 history_tokens: str = "generated", max_model_len: int | None = None) -> None:
         self.renderer = renderer
         self.context = ContextLimit(max_model_len, longest_token_chars(renderer.tokenizer) if max_model_len else 0)
         self.served_models = served_models

@@ -18,7 +18,7 @@ from typing import Any
 
 from gateway.errors import InvalidRequestError
 from gateway.store import Answer
-from gateway.turns.generated import answer, splice, substitutions, tool_answer
+from gateway.turns.generated import answer, splice, substitutions, text_of, tool_answer
 from gateway.turns.pieces import DEFAULT_CACHE_TOKENS, PieceEncoder, TokenIds, exact_specials
 from gateway.turns.tools import template_calls
 
@@ -126,15 +126,15 @@ class Renderer:
 
     def answer(self, output_ids: list[int], text: str,
                tool_calls: list[dict[str, Any]] | None = None) -> Answer | None:
-        """D's output as a reusable answer: only if its ids (without the end-of-turn token) decode to exactly
-        the text the client got (not so with reasoning split out of the content, for one), or, when the client
+        """D's output as a reusable answer: only if its ids (without the end-of-turn token) decode to the text
+        the client got (`text_of`; not so with reasoning split out of the content, for one), or, when the client
         got tool calls, to text whose calls parse to exactly those."""
         ids = list(output_ids)
         while ids and ids[-1] in self.special_ids:
             ids.pop()
         if tool_calls:
             return tool_answer(ids, self.decode(ids), text, tool_calls) if ids else None
-        return answer(text, ids) if ids and text and self.decode(ids) == text else None
+        return answer(text, ids) if ids and text and text_of(self.decode(ids), text) else None
 
     def render_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):

@@ -1,5 +1,7 @@
 """history_tokens "generated": answers spliced in as D's own ids, everything else encoded as usual."""
 
+from tokenizers.decoders import DecodeStream
+
 from gateway.turns.generated import MAX_ANSWER_TOKENS, answer, remember
 from gateway.turns.render import Renderer
 
@@ -36,3 +38,47 @@ def test_remember_keeps_the_newest_within_the_bound():
     old = [answer("a", [1] * (MAX_ANSWER_TOKENS // 2)), answer("b", [2] * (MAX_ANSWER_TOKENS // 2))]
     kept = remember(old, answer("c", [3] * 10))
     assert [a.ids[0] for a in kept] == [2, 3]
+
+
+# -- an answer that stops inside a UTF-8 character ----------------------------------------------------------
+# vLLM decodes incrementally with tokenizers' DecodeStream, which emits nothing while the text ends in U+FFFD: the
+# bytes of a character not yet complete. An answer cut there (max_tokens, or the end-of-turn token right after a
+# byte piece) reaches the client without that tail, while decoding its ids whole ends in U+FFFD.
+def engine_text(r: Renderer, prompt: list[int], ids: list[int]) -> str:
+    """The text vLLM's detokenizer gives a client for `ids` (FastIncrementalDetokenizer, JSON and streamed)."""
+    stream = DecodeStream(ids=prompt, skip_special_tokens=True)
+    return "".join(stream.step(r.tokenizer.backend_tokenizer, t) or "" for t in ids)
+
+
+def cut_inside_a_character(r: Renderer) -> list[int]:
+    """'Kenobi' then the first byte of 'é' (C3 A9): the byte-level token for 0xC3 alone."""
+    return [*r.tokenizer.encode("General Kenobi", add_special_tokens=False), r.tokenizer.convert_tokens_to_ids("Ã")]
+
+
+def test_an_answer_cut_inside_a_character_reaches_the_client_without_its_last_bytes():
+    r = Renderer("builtin:demo")
+    ids = cut_inside_a_character(r)
+    text = engine_text(r, r.render_chat(MESSAGES[:1]), ids)
+    assert text == "General Kenobi" and r.decode(ids) == "General Kenobi\ufffd"
+
+
+def test_an_answer_cut_inside_a_character_is_kept_and_spliced_as_generated():
+    r = Renderer("builtin:demo")
+    eos = r.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = cut_inside_a_character(r)
+    header = r.render_chat(MESSAGES[:1])
+    kept = r.answer([*ids, eos], engine_text(r, header, ids))
+    assert kept is not None and kept.ids == ids
+    messages = [*MESSAGES[:1], {"role": "assistant", "content": engine_text(r, header, ids)}, *MESSAGES[2:]]
+    spliced = r.render_chat(messages, answers=[kept])
+    assert spliced[:len(header) + len(ids)] == header + ids      # the next prompt extends what D holds
+
+
+def test_only_a_withheld_partial_character_is_forgiven():
+    r = Renderer("builtin:demo")
+    ids = cut_inside_a_character(r)
+    assert r.answer(ids, "General Kenobi") is not None
+    assert r.answer(ids, "General Keno") is None                 # a shorter text is another answer
+    assert r.answer(ids, "General Kenobi\ufffd") is not None     # a decode that kept the tail: plain equality
+    words = r.tokenizer.encode("General Kenobi", add_special_tokens=False)
+    assert r.answer(words, "General Keno") is None               # dropped text that was whole characters

@@ -1,5 +1,9 @@
 """A conversation through the gateway with the official openai client, each turn compared token by token with
 the same turn on the co-located baseline engine, and what P and D loaded from each other (vLLM's own counters).
+
+The baseline gets the same messages (vLLM renders them: checks the gateway renders as vLLM does), or with
+`baseline_by_ids` the very prompt ids the gateway sent (`history_tokens: generated` sends past answers as D's
+ids, which differ from the re-encoded text when an answer does not re-tokenize to itself).
 """
 
 from __future__ import annotations
@@ -7,7 +11,6 @@ from __future__ import annotations
 import urllib.request
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
 
 import openai
 
@@ -31,6 +34,7 @@ class Turn:
     reused: int
     prefill_loaded: int          # prompt tokens P read from D (vllm:prompt_tokens_by_source_total)
     decode_loaded: int           # prompt tokens D read from P
+    prefill_computed: int = 0    # prompt tokens P computed itself
 
     @property
     def exact(self) -> bool:
@@ -53,26 +57,43 @@ class Chat(TurnTaking):
         default_factory=lambda: [{"role": "system", "content": f"Conversation {uuid.uuid4().hex[:12]}."}])
     turns: list[Turn] = field(default_factory=list)
     max_tokens: int = 80
+    baseline_by_ids: bool = False
+    cache_salt: str | None = None         # sent to the gateway (and so to P and D): keeps other tests' prompts out
+    tools: list[dict] | None = None
 
     def ask(self, *, stream: bool = False) -> Turn:
-        before = self.prefill.loaded_tokens(), self.decode.loaded_tokens()
+        before = self.prefill.loaded_tokens(), self.decode.loaded_tokens(), self.prefill.computed_tokens()
         headers = {"X-Session-Id": self.session} if self.session else {}
         raw = client(self.gateway.url).chat.completions.with_raw_response.create(
             model=SERVED_MODEL, messages=self.messages, max_tokens=self.max_tokens, temperature=0, stream=stream,
-            extra_headers=headers, extra_body={"return_token_ids": True},
+            extra_headers=headers, **({"tools": self.tools} if self.tools else {}),
+            extra_body={"return_token_ids": True, **({"cache_salt": self.cache_salt} if self.cache_salt else {})},
             **({"stream_options": {"include_usage": True}} if stream else {}))
         text, ids, prompt_ids = _streamed(raw.parse()) if stream else _whole(raw.parse())
-        expected = self._baseline()
-        return Turn(text, ids, prompt_ids, expected["choices"][0]["message"]["content"],
-                    expected["choices"][0]["token_ids"], expected["prompt_token_ids"],
+        loaded = int(self.prefill.loaded_tokens() - before[0]), int(self.decode.loaded_tokens() - before[1])
+        computed = int(self.prefill.computed_tokens() - before[2])
+        expected_text, expected_ids, expected_prompt = (self._baseline_ids(prompt_ids) if self.baseline_by_ids
+                                                        else self._baseline())
+        return Turn(text, ids, prompt_ids, expected_text, expected_ids, expected_prompt,
                     raw.headers["x-pd-plan"], raw.headers["x-pd-reason"], int(raw.headers["x-pd-reused-tokens"]),
-                    int(self.prefill.loaded_tokens() - before[0]), int(self.decode.loaded_tokens() - before[1]))
+                    *loaded, computed)
 
-    def _baseline(self) -> dict[str, Any]:
+    def _baseline(self) -> tuple[str, list[int], list[int]]:
         """The same messages on one engine alone; a fresh cache salt so it computes everything itself."""
-        return self.baseline.post("/v1/chat/completions", {
+        out = self.baseline.post("/v1/chat/completions", {
             "model": SERVED_MODEL, "messages": self.messages, "max_tokens": self.max_tokens, "temperature": 0,
+            "return_token_ids": True, "cache_salt": uuid.uuid4().hex, **({"tools": self.tools} if self.tools else {})},
+            timeout_s=TIMEOUT_S)
+        choice = out["choices"][0]
+        return choice["message"]["content"], choice["token_ids"], out["prompt_token_ids"]
+
+    def _baseline_ids(self, prompt_ids: list[int]) -> tuple[str, list[int], list[int]]:
+        """The gateway's prompt ids on one engine alone (completions take ids as they are)."""
+        out = self.baseline.post("/v1/completions", {
+            "model": SERVED_MODEL, "prompt": prompt_ids, "max_tokens": self.max_tokens, "temperature": 0,
             "return_token_ids": True, "cache_salt": uuid.uuid4().hex}, timeout_s=TIMEOUT_S)
+        choice = out["choices"][0]
+        return choice["text"], choice["token_ids"], choice["prompt_token_ids"]
 
 
 def _whole(out) -> tuple[str, list[int], list[int]]:

@@ -49,6 +49,9 @@ FLAGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "2048",
 # come back: VLLM_TIER_ENGINE_ENV='{"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}' pytest -m vllm tests/vllm/test_soak.py
 OVERRIDE_ENV = "VLLM_TIER_ENGINE_ENV"
 CPU = {"prefill": "0", "decode": "1", "colocated": "1"}      # VLLM_CPU_OMP_THREADS_BIND
+# vLLM's Hermes tool-call parser (the demo template renders tools as Qwen/Hermes do): requests with `tools` and
+# tool_choice "auto" are refused without it. The constrained model never emits <tool_call>, so answers stay text.
+TOOL_FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 
 
 def kv_transfer_config(role: Role, engine_id: str, *, policy: str, bidirectional: bool = True,
@@ -108,6 +111,10 @@ class Engine:
         """Prompt tokens this engine took from the other engine's KV (vLLM's own count)."""
         return self.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
 
+    def computed_tokens(self) -> float:
+        """Prompt tokens this engine computed itself (neither its prefix cache nor the other engine's KV)."""
+        return self.metric("vllm:prompt_tokens_by_source_total", source="local_compute")
+
     def nixl_bytes(self) -> float:
         """Bytes this engine's NIXL reads moved (whole blocks)."""
         return self.metric("vllm:nixl_bytes_transferred_sum")
@@ -135,12 +142,13 @@ class Engine:
 
 
 def launch(python: str, model: Path, role: Role, engine_id: str, log_dir: Path, *, policy: str = "recompute",
-           bidirectional: bool = True, pin_ttl_s: int = PIN_TTL_S, env: dict[str, str] | None = None) -> Engine:
+           bidirectional: bool = True, pin_ttl_s: int = PIN_TTL_S, env: dict[str, str] | None = None,
+           flags: list[str] | None = None) -> Engine:
     """Start one vLLM server; does not wait (see `wait_healthy`), so several can start at once."""
     port = _free_port()
     side_port = _free_port() if role != "colocated" else None
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-           "--port", str(port), *FLAGS]
+           "--port", str(port), *FLAGS, *(flags or [])]
     if role != "colocated":
         config = kv_transfer_config(role, engine_id, policy=policy, bidirectional=bidirectional,
                                     pin_ttl_s=pin_ttl_s)

@@ -1,12 +1,16 @@
-"""Make the tiny model the `vllm` tier serves: a random-weight Qwen2 with the repo's demo tokenizer (a byte-level
+"""Make the tiny models the `vllm` tier serves: random-weight Qwen2s with the repo's demo tokenizer (a byte-level
 BPE trained on local text, ChatML template). No download. Run with the vLLM venv's python (it has torch):
 
-    .venv-vllm/bin/python tests/vllm/make_model.py OUT_DIR
+    .venv-vllm/bin/python tests/vllm/make_model.py OUT_DIR [--unconstrained]
 
 The weights are random but seeded, with a large `initializer_range` so greedy output depends on the whole
-context (wrong KV gives other tokens). The output layer can only pick whole words with a leading space
-(" cache", " the"): such a reply re-tokenizes to exactly the ids generated, as real chat models' replies
-usually do, so a conversation's next prompt really extends the tokens D holds.
+context (wrong KV gives other tokens). By default the output layer can only pick whole words with a leading
+space (" cache", " the"): such a reply re-tokenizes to exactly the ids generated, so a conversation's next
+prompt, rendered from the reply's text, really extends the tokens D holds.
+
+`--unconstrained` leaves the output layer as initialised: the model picks any token (byte pieces, word
+fragments, special tokens), so its replies often re-tokenize to other ids than it generated, and sometimes end
+inside a UTF-8 character. That is what a real model does now and then, and what `history_tokens` is about.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ def speakable(tokenizer) -> list[int]:
     return ids
 
 
-def make(out: Path) -> None:
+def make(out: Path, *, constrained: bool = True) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(TOKENIZER / name, out / name)
@@ -52,14 +56,19 @@ def make(out: Path) -> None:
         torch_dtype="float32")
     torch.manual_seed(SEED)
     model = Qwen2ForCausalLM(config)
+    if constrained:
+        _speak_words_only(model, tokenizer)
+    model.save_pretrained(str(out), safe_serialization=True)
+    (out / "generation_config.json").unlink(missing_ok=True)   # vLLM would take sampling defaults from it
+
+
+def _speak_words_only(model: Qwen2ForCausalLM, tokenizer) -> None:
     with torch.no_grad():
         keep = torch.zeros(len(tokenizer), dtype=torch.bool)
         keep[speakable(tokenizer)] = True
         model.lm_head.weight[~keep] = 0.0          # logit 0: never the max among hundreds of random logits
         model.lm_head.weight[keep] *= 4.0
-    model.save_pretrained(str(out), safe_serialization=True)
-    (out / "generation_config.json").unlink(missing_ok=True)   # vLLM would take sampling defaults from it
 
 
 if __name__ == "__main__":
-    make(Path(sys.argv[1]))
+    make(Path(sys.argv[1]), constrained="--unconstrained" not in sys.argv[2:])
