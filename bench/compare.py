@@ -7,6 +7,7 @@ engines, then the cost of long histories, reuse under a GPU-like cost model (pla
 
 Every figure is measured in this run; the last line is
     compare: added_p50_ms=X added_p99_ms=Y naive_added_ratio=A naive_throughput_ratio=B cpu_32k_vs_1k=C
+             internal_p50_ms=D
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import asyncio
 import datetime
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -200,7 +202,37 @@ def zero_timing(s: Servers, env: Env, sizes: Sizes, notes: list[str]) -> dict:
 def _delta(before: dict, after: dict) -> dict:
     return {k: after[k] - before.get(k, 0.0) for k in after
             if k.startswith(("pdgw_turns_total", "pdgw_prompt_tokens_total", "pdgw_turn_seconds_",
-                             "pdgw_store_seconds_"))}
+                             "pdgw_store_seconds_", "pdgw_gateway_seconds_"))}
+
+
+_BUCKET = re.compile(r'^pdgw_gateway_seconds_bucket\{(?=.*span="([^"]+)")(?=.*le="([^"]+)").*\}$')
+
+
+def gateway_quantile(gw_metrics: dict, span: str, q: float) -> float | None:
+    """A quantile (ms) of the gateway's own time per turn (`pdgw_gateway_seconds{span}`), interpolated linearly
+    within its bucket as Prometheus' histogram_quantile does; None when the span has no observations."""
+    buckets = sorted((float(m.group(2)), count) for key, count in gw_metrics.items()
+                     if (m := _BUCKET.match(key)) and m.group(1) == span)
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank, below, lower = q * buckets[-1][1], 0.0, 0.0
+    for upper, cumulative in buckets:
+        if cumulative >= rank:
+            if upper == float("inf"):
+                return lower * 1e3
+            inside = cumulative - below
+            return (lower + (upper - lower) * ((rank - below) / inside if inside else 1.0)) * 1e3
+        below, lower = cumulative, upper
+    return lower * 1e3
+
+
+def _gateway_spans(gw_metrics: dict) -> str:
+    """p50 ms of each span of the gateway's own time."""
+    out = []
+    for span in ("to_prefill", "prefill_to_decode", "to_client", "internal"):
+        if (p50 := gateway_quantile(gw_metrics, span, 0.5)) is not None:
+            out.append(f"{span} {p50:.3f}")
+    return ", ".join(out)
 
 
 def _phase_means(gw_metrics: dict) -> str:
@@ -392,8 +424,9 @@ def report(args, sizes: Sizes, zero: dict, history: dict, gpu: dict, reasoning: 
               "(`--no-prompt-token-ids`). Streamed D legs carry their handle (`--stream-kv-params`).",
               "", "| set-up | turns | errors | TTFT p50 ms | p90 | p99 | added p50 ms | added p99 ms | "
               "proxy CPU ms/turn | engines' CPU ms/turn | saturated turns/s | CPU ms/turn saturated | "
-              "proxy capacity turns/CPU-s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "proxy capacity turns/CPU-s | gateway internal p50 ms |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    internal50 = gateway_quantile(zero["gateway_metrics"], "internal", 0.5)
     for r in rows:
         sat = zero["saturation"].get(r.setup, {})
         t50, t90, t99 = (percentile(r.ttft, q) * 1e3 for q in (50, 90, 99))
@@ -404,7 +437,7 @@ def report(args, sizes: Sizes, zero: dict, history: dict, gpu: dict, reasoning: 
                      f"{'—' if r.setup in FLOORS else f'{added(r, 99):+.2f}'} | "
                      f"{_fmt(r.cpu_ms_per_turn)} | {_fmt(r.extra.get('engines_cpu_ms'))} | "
                      f"{sat.get('turns_per_s', 0):.0f} | {_fmt(sat.get('cpu_ms_per_turn'))} | "
-                     f"{_fmt(cap, 0)} |")
+                     f"{_fmt(cap, 0)} | {_fmt(internal50, 3) if r.setup == 'pd-gateway' else '—'} |")
     gw, naive = by_name["pd-gateway"], by_name["naive proxy"]
     added50, added99, naive_added = added(gw, 50), added(gw, 99), added(naive, 50)
     naive_added_ratio = added50 / naive_added if naive_added > 0 else float("nan")
@@ -419,6 +452,12 @@ def report(args, sizes: Sizes, zero: dict, history: dict, gpu: dict, reasoning: 
               "pd-gateway's own phases, mean ms (its `pdgw_turn_seconds` and `pdgw_store_seconds`; intake = parse, "
               "check, render; plan = the Redis claim; prefill = the P leg; decode_ttft = D's leg to its first "
               f"event): {_phase_means(zero['gateway_metrics'])}.", "",
+              "pd-gateway's own time per turn, p50 ms (its `pdgw_gateway_seconds`, timestamps inside the gateway, "
+              "engine waits taken out: to_prefill = request in → P's request out; prefill_to_decode = P's answer → "
+              "D's request out; to_client = D's first byte → the client's first byte; internal = the turn's total "
+              f"less every engine wait): {_gateway_spans(zero['gateway_metrics'])}. The added latency above also "
+              "holds the two extra loopback hops, the ASGI server, Redis and the cores the gateway takes from the "
+              "engines.", "",
               "Throughput: on this 2-core machine the engines, Redis and the load generator share the cores with the "
               "proxy, so saturated turns/s is bounded by the engines for every set-up; the proxy's own capacity is "
               "turns per CPU-second of the proxy process (1000 / CPU ms per turn at saturation). "
@@ -457,6 +496,8 @@ def report(args, sizes: Sizes, zero: dict, history: dict, gpu: dict, reasoning: 
               f"| added p50 <= 1 ms at {sizes.concurrency} concurrent conversations | {added50:+.2f} ms | "
               f"{_met(added50 <= 1)} |",
               f"| added p99 <= 5 ms | {added99:+.2f} ms | {_met(added99 <= 5)} |",
+              f"| gateway internal p50 <= 0.5 ms | {_fmt(internal50, 3)} ms | "
+              f"{_met(internal50 is not None and internal50 <= 0.5)} |",
               f"| <= 0.5x the naive proxy's added latency (p50) | {naive_added_ratio:.2f}x | "
               f"{_met(naive_added_ratio <= 0.5)} |",
               f"| >= 2x the naive proxy's turns/s (capacity per CPU-second) | {naive_throughput_ratio:.2f}x "
@@ -478,7 +519,8 @@ def report(args, sizes: Sizes, zero: dict, history: dict, gpu: dict, reasoning: 
         lines += ["## Notes", "", *[f"- {n}" for n in notes], ""]
     final = (f"compare: added_p50_ms={added50:.3f} added_p99_ms={added99:.3f} "
              f"naive_added_ratio={naive_added_ratio:.3f} naive_throughput_ratio={naive_throughput_ratio:.3f} "
-             f"cpu_32k_vs_1k={cpu_ratio:.3f}")
+             f"cpu_32k_vs_1k={cpu_ratio:.3f} "
+             f"internal_p50_ms={internal50 if internal50 is not None else float('nan'):.3f}")
     lines += ["```", final, "```", ""]
     return "\n".join(lines), final
 

@@ -158,7 +158,8 @@ class TurnRunner:
         timeout = self.settings.prefill_handle_timeout_s if handle else self.settings.prefill_timeout_s
         response = await self.calls.leg("prefill", turn.prefill, self.client.post_json(
             turn.prefill.url, turn.req.endpoint, body, timeout_s=timeout, headers=self._headers(turn, "prefill"),
-            decode=turn.req.decode_answer), len(turn.req.prompt_ids))
+            decode=turn.req.decode_answer, on_sent=turn.req.clock.prefill_out, on_answer=turn.req.clock.prefill_in),
+            len(turn.req.prompt_ids))
         if handle is not None and prompt_ids_of(response) not in (None, turn.req.prompt_ids):
             log.warning("parity violation on %s: P's prompt differs from the rendered one", turn.req.request_id)
             raise LegSetback("prefill", Setback.PARITY, turn.prefill, UpstreamError("prefill parity"))
@@ -178,7 +179,8 @@ class TurnRunner:
         body.pop("stream_options", None)
         response = await self.calls.leg("decode", turn.decode, self.client.post_json(
             turn.decode.url, turn.req.endpoint, body, timeout_s=self.settings.decode_first_byte_timeout_s,
-            headers=self._headers(turn, "decode")))
+            headers=self._headers(turn, "decode"), on_sent=turn.req.clock.decode_out,
+            on_answer=turn.req.clock.decode_in))
         self._observe("decode_ttft", began)
         capture = DecodeCapture()
         view = capture.take(response, turn.req.want_token_ids)
@@ -195,7 +197,8 @@ class TurnRunner:
         stream = await self.calls.leg("decode", turn.decode, self.client.open_stream(
             turn.decode.url, turn.req.endpoint, body,
             first_byte_timeout_s=self.settings.decode_first_byte_timeout_s,
-            idle_timeout_s=self.settings.decode_idle_timeout_s, headers=self._headers(turn, "decode")))
+            idle_timeout_s=self.settings.decode_idle_timeout_s, headers=self._headers(turn, "decode"),
+            on_sent=turn.req.clock.decode_out))
         return TurnReply(self._reply_headers(turn), stream=self._relay(turn, stream))
 
     async def _relay(self, turn: Turn, stream: EngineStream) -> AsyncGenerator[bytes, None]:
@@ -206,6 +209,7 @@ class TurnRunner:
             done = False
             while not done and (events := await stream.next_events()) is not None:
                 if first:
+                    turn.req.clock.decode_in()
                     self._observe("decode_ttft", began)
                     first = False
                 frames = []                  # the events of one read go out in one write
