@@ -21,6 +21,7 @@ from gateway.config import Settings
 from gateway.engines import kv, routing, sse
 from gateway.engines.client import EngineClient, EngineStream
 from gateway.engines.pool import Engine, EnginePool
+from gateway.engines.probe import pinned_ids_proven
 from gateway.errors import EngineUnavailableError, GatewayError, UpstreamError
 from gateway.store import ConversationKey, StoreUnavailableError, TurnStart
 from gateway.telemetry import Metrics, log_turn
@@ -152,7 +153,9 @@ class TurnRunner:
         began = time.perf_counter()
         turn.prefill = self._pick(turn, "prefill")
         handle = turn.plan.handle
-        body = prefill_body(turn.req, handle, confirm_ids=handle is not None)
+        # P reading D's KV must prefill the verified ids: shown by P's echo, unless P is proven to use them
+        confirm = handle is not None and not pinned_ids_proven(turn.prefill)
+        body = prefill_body(turn.req, handle, confirm_ids=confirm)
         # vLLM can park a P request whose read of D's blocks it declined (docs/protocol.md §1): a leg that
         # carries a handle gets a short deadline, then P is redone without it, on any P.
         timeout = self.settings.prefill_handle_timeout_s if handle else self.settings.prefill_timeout_s
@@ -160,7 +163,7 @@ class TurnRunner:
             turn.prefill.url, turn.req.endpoint, body, timeout_s=timeout, headers=self._headers(turn, "prefill"),
             decode=turn.req.decode_answer, on_sent=turn.req.clock.prefill_out, on_answer=turn.req.clock.prefill_in),
             len(turn.req.prompt_ids))
-        if handle is not None and prompt_ids_of(response) not in (None, turn.req.prompt_ids):
+        if confirm and prompt_ids_of(response) not in (None, turn.req.prompt_ids):
             log.warning("parity violation on %s: P's prompt differs from the rendered one", turn.req.request_id)
             raise LegSetback("prefill", Setback.PARITY, turn.prefill, UpstreamError("prefill parity"))
         turn.prefill_handle = kv.peek(response)
