@@ -25,7 +25,7 @@ from gateway.engines.health import HealthChecker
 from gateway.engines.pool import EnginePool
 from gateway.engines.registry import EngineRegistry
 from gateway.startup import gather as startup_report
-from gateway.startup import log_report
+from gateway.startup import PinnedIdsProof, log_report
 from gateway.store import ConversationStore, open_store
 from gateway.telemetry import Metrics
 from gateway.tracing import Tracing, start_tracing
@@ -81,6 +81,7 @@ async def _lifespan(app: Litestar, settings: Settings, tracing: Tracing,
         renderer = Renderer(settings.tokenizer, settings.chat_template)
         report = await startup_report(client, prefill, decode, renderer, store, settings)
         log_report(report)
+        health.on_readmit = PinnedIdsProof(client, renderer, settings.model).engine_back
         models, block_size = report.models, report.block_size
         state.intake = Intake(renderer, models, settings.max_messages, settings.history_tokens,
                               report.max_model_len)

@@ -2,6 +2,11 @@
 template parity, the store, and what all that means for reuse. Logged by the app at start; printed by
 `pd-gateway check`, which exits non-zero when the verdict is `fail`.
 
+Pinned prompt ids: each P is asked for one token with `kv_transfer_params.prompt_token_ids` set to the rendering
+of another conversation than its messages; an engine whose echoed prompt is the pinned one uses the gateway's
+verified ids by construction, so its P legs need not echo their prompt for a parity check (turns/turn.py). The
+proof is dropped when an engine leaves and re-run when it comes back healthy (`PinnedIdsProof.engine_back`).
+
 Template parity: the gateway renders a fixed conversation with its tokenizer and chat template and compares
 the ids with each engine's `POST /tokenize` (messages form). Any difference means the gateway verifies
 continuity on other tokens than the engine's model was trained to see.
@@ -19,7 +24,7 @@ import aiohttp
 from gateway.config import Settings, mask_url
 from gateway.engines.client import EngineClient
 from gateway.engines.pool import Engine, EnginePool
-from gateway.engines.probe import PROBE_TIMEOUT_S, probe, tokenize_chat
+from gateway.engines.probe import PINNED_IDS, PROBE_TIMEOUT_S, honours_pinned_ids, probe, tokenize_chat
 from gateway.errors import GatewayError
 from gateway.store import ConversationStore, open_store
 from gateway.turns.render import Renderer
@@ -32,6 +37,9 @@ PROBE_MESSAGES = [
     {"role": "assistant", "content": "2 + 2 = 4. Anything else?"},
     {"role": "user", "content": "Yes: name three prime numbers, please."},
 ]
+# The pinned-ids probe's ids: the rendering of this conversation, sent with PROBE_MESSAGES (same roles, so every
+# template accepts both), so that an engine that renders the messages echoes other ids than the pinned ones.
+PINNED_PROBE_MESSAGES = [*PROBE_MESSAGES[:2], {"role": "user", "content": "No, thank you: that was all."}]
 # The protocol notes once said recompute on P; real vLLM 0.32 parks a declined read under it (docs/vllm-findings.md #8)
 RECOMMENDED_POLICY = {"prefill": "fail", "decode": "fail"}
 VLLM_DEFAULT_DECODER_KV_BLOCKS_TTL_S = 480.0
@@ -59,6 +67,7 @@ class EngineReport:
     kv_transfer: dict[str, Any] | None = None     # from /server_info, when the engine exposes it
     parity: Literal["match", "mismatch", "unknown"] = "unknown"
     parity_detail: str = ""
+    pinned_ids: bool | None = None                # P: uses kv_transfer_params.prompt_token_ids (None: unknown)
 
     @property
     def bidirectional(self) -> bool | None:
@@ -71,7 +80,8 @@ class EngineReport:
         policy = self.kv_transfer["failure_policy"] if self.kv_transfer else "unknown"
         return (f"{self.role:<8} {self.url}  vLLM {self.version or '?'}  block size {self.block_size or '?'}  "
                 f"bidirectional {bidi}  load-failure policy {policy}  "
-                f"template parity {self.parity}{f' ({self.parity_detail})' if self.parity_detail else ''}")
+                f"template parity {self.parity}{f' ({self.parity_detail})' if self.parity_detail else ''}"
+                f"{_pinned_words(self.pinned_ids) if self.role == 'prefill' else ''}")
 
 
 @dataclass
@@ -102,11 +112,46 @@ class StartupReport:
 
 
 # -- gathering ---------------------------------------------------------------------------------------
+class PinnedIdsProof:
+    """Proves, P by P, that an engine uses the prompt ids it is sent (`Engine.info[PINNED_IDS]`); until then, and
+    while a proof runs, the engine is unproven and its P legs keep the echo and the parity check."""
+
+    def __init__(self, client: EngineClient, renderer: Renderer | None, model: str | None) -> None:
+        self.client, self.model = client, model
+        self.pinned = _render_probe(renderer, PINNED_PROBE_MESSAGES)
+        self._running: set[asyncio.Task] = set()
+
+    async def prove(self, engine: Engine) -> bool | None:
+        engine.info[PINNED_IDS] = False
+        if self.pinned is None:
+            return None
+        model = self.model or next(iter(engine.info.get("models") or ()), None)
+        result = await honours_pinned_ids(self.client, engine, PROBE_MESSAGES, self.pinned, model)
+        engine.info[PINNED_IDS] = result is True
+        return result
+
+    def engine_back(self, engine: Engine) -> None:
+        """The health checker's hook: an engine back in rotation may be another vLLM; unproven until shown."""
+        if engine.role != "prefill":
+            return
+        engine.info[PINNED_IDS] = False          # at once: a turn picking it now keeps the check
+        task = asyncio.create_task(self.prove(engine))
+        self._running.add(task)
+        task.add_done_callback(lambda done: self._logged(done, engine.url))
+
+    def _logged(self, task: asyncio.Task, url: str) -> None:
+        self._running.discard(task)
+        if not task.cancelled() and task.exception() is None:
+            log.info("prefill %s is back:%s", mask_url(url), _pinned_words(task.result()))
+
+
 async def gather(client: EngineClient, prefill: EnginePool, decode: EnginePool, renderer: Renderer | None,
                  store: ConversationStore, settings: Settings) -> StartupReport:
     engines = [*prefill.engines.values(), *decode.engines.values()]
     expected = _render_probe(renderer)
-    reports = list(await asyncio.gather(*(_engine_report(client, e, expected, settings.model) for e in engines)))
+    proof = PinnedIdsProof(client, renderer, settings.model)
+    reports = list(await asyncio.gather(*(_engine_report(client, e, expected, settings.model, proof)
+                                          for e in engines)))
     store_ok = await _ping(store)
     models = [settings.model] if settings.model else next((r.models for r in reports if r.models), [])
     sizes = {r.block_size for r in reports if r.block_size}
@@ -142,17 +187,17 @@ def log_report(report: StartupReport, logger: logging.Logger = log) -> None:
     logger.log(level, "\n".join(report.lines()), extra={"fields": {"startup_report": report.to_dict()}})
 
 
-def _render_probe(renderer: Renderer | None) -> list[int] | None:
+def _render_probe(renderer: Renderer | None, messages: list[dict[str, Any]] = PROBE_MESSAGES) -> list[int] | None:
     if renderer is None:
         return None
     try:
-        return renderer.render_chat(PROBE_MESSAGES)
+        return renderer.render_chat(messages)
     except GatewayError:
         return None
 
 
 async def _engine_report(client: EngineClient, engine: Engine, expected: list[int] | None,
-                         model: str | None) -> EngineReport:
+                         model: str | None, proof: PinnedIdsProof) -> EngineReport:
     try:
         await client.get(engine.url, "/health", timeout_s=PROBE_TIMEOUT_S)
     except GatewayError:
@@ -164,7 +209,15 @@ async def _engine_report(client: EngineClient, engine: Engine, expected: list[in
         served = model or next(iter(report.models), None)
         report.parity, report.parity_detail = _compare(expected, await tokenize_chat(client, engine,
                                                                                      PROBE_MESSAGES, served))
+    if engine.role == "prefill":
+        report.pinned_ids = await proof.prove(engine)
     return report
+
+
+def _pinned_words(pinned: bool | None) -> str:
+    words = {True: "used (P echoes no prompt)", False: "ignored (P echoes its prompt for a parity check)",
+             None: "unknown (P echoes its prompt for a parity check)"}
+    return f"  pinned prompt ids {words[pinned]}"
 
 
 def _compare(expected: list[int], got: list[int] | None) -> tuple[Literal["match", "mismatch", "unknown"], str]:

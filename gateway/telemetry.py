@@ -10,6 +10,9 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# The gateway's own time per turn is sub-millisecond when all is well: fine buckets there, coarse above.
+GATEWAY_BUCKETS = (0.00005, 0.0001, 0.00015, 0.0002, 0.0003, 0.0004, 0.0005, 0.0006, 0.0008, 0.001, 0.0015,
+                   0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.5)
 
 
 class Metrics:
@@ -22,6 +25,9 @@ class Metrics:
             ["source"], registry=r)
         self.turn_seconds = Histogram(
             "pdgw_turn_seconds", "Turn latency by phase", ["phase"], buckets=LATENCY_BUCKETS, registry=r)
+        self.gateway_seconds = Histogram(
+            "pdgw_gateway_seconds", "The gateway's own time per turn, engine waits excluded, by span (turns/clock.py)",
+            ["span"], buckets=GATEWAY_BUCKETS, registry=r)
         self.upstream_errors = Counter(
             "pdgw_upstream_errors", "Engine errors by pool and kind", ["pool", "kind"], registry=r)
         self.engine_healthy = Gauge("pdgw_engine_healthy", "1 if the engine passes health checks",

@@ -9,7 +9,7 @@ whose `finally` closes D's stream (which aborts the request on D) and abandons t
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 
 from litestar.types import Receive, Scope, Send
 
@@ -19,8 +19,10 @@ _START_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cac
 class EventStream:
     """An ASGI app: a route handler annotated `-> ASGIApp` returns it and Litestar calls it as it is."""
 
-    def __init__(self, frames: AsyncGenerator[bytes, None], headers: dict[str, str]) -> None:
+    def __init__(self, frames: AsyncGenerator[bytes, None], headers: dict[str, str],
+                 on_first_frame: Callable[[], None] | None = None) -> None:
         self._frames = frames
+        self._on_first_frame = on_first_frame       # the turn's clock: the client's first byte is out
         self._headers = [*_START_HEADERS, *((k.lower().encode("latin-1"), v.encode("latin-1"))
                                             for k, v in headers.items())]
 
@@ -32,6 +34,9 @@ class EventStream:
         try:
             async for frame in self._frames:
                 await send({"type": "http.response.body", "body": frame, "more_body": True})
+                if self._on_first_frame is not None:
+                    self._on_first_frame()
+                    self._on_first_frame = None
             listener.cancel()              # the server reports a completed response as a disconnect too
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:

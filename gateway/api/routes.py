@@ -10,7 +10,7 @@ from typing import Any
 
 from litestar import Request, Response, get, post
 from litestar.response.base import ASGIResponse
-from litestar.types import ASGIApp
+from litestar.types import ASGIApp, Receive, Scope, Send
 
 from gateway.api.auth import ApiKeys
 from gateway.api.events import EventStream
@@ -19,6 +19,7 @@ from gateway.api.schemas import ChatRequest, CompletionRequest, parse
 from gateway.config import Settings
 from gateway.errors import InvalidRequestError
 from gateway.telemetry import Metrics
+from gateway.turns.clock import TurnClock
 from gateway.turns.conversations import ConversationKey
 from gateway.turns.intake import Intake
 from gateway.turns.request import TurnRequest
@@ -85,16 +86,30 @@ async def _turn(request: Request, gateway: Gateway, schema: type, intake: Callab
     tenant = gateway.api_keys.tenant_for(request.headers.get("authorization"))
     body, parsed = parse(await request.body(), schema)
     turn = intake(body, parsed, _request_id(request))
+    turn.clock = TurnClock(gateway.metrics.gateway_seconds, began)
     gateway.metrics.turn_seconds.labels("intake").observe(time.perf_counter() - began)
     session = _session(request, body, gateway.settings.session_header, tenant)
-    return _respond(await gateway.runner.run(turn, session, tenant))
+    return _respond(await gateway.runner.run(turn, session, tenant), turn.clock)
 
 
-def _respond(reply: TurnReply) -> ASGIApp:
+def _respond(reply: TurnReply, clock: TurnClock) -> ASGIApp:
     if reply.stream is not None:
-        return EventStream(reply.stream, reply.headers)
-    return ASGIResponse(body=reply.body or b"", media_type="application/json", headers=reply.headers,
-                        status_code=200)
+        return EventStream(reply.stream, reply.headers, on_first_frame=clock.delivered)
+    return _Delivered(ASGIResponse(body=reply.body or b"", media_type="application/json", headers=reply.headers,
+                                   status_code=200), clock)
+
+
+class _Delivered:
+    """A JSON answer that marks the turn's clock once its bytes are handed to the server."""
+
+    __slots__ = ("_clock", "_response")
+
+    def __init__(self, response: ASGIResponse, clock: TurnClock) -> None:
+        self._response, self._clock = response, clock
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._response(scope, receive, send)
+        self._clock.delivered()
 
 
 def _request_id(request: Request) -> str:

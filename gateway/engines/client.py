@@ -28,6 +28,10 @@ _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 
 
+def _nothing() -> None:
+    pass
+
+
 class EngineStream:
     """An open streamed D response: iterate SSE payloads; always `close()` (closing aborts the request on D)."""
 
@@ -72,21 +76,31 @@ class EngineClient:
 
     async def post_json(self, base_url: str, path: str, body: dict[str, Any], *, timeout_s: float,
                         headers: dict[str, str] | None = None,
-                        decode: Callable[[bytes], dict[str, Any]] = _decode) -> dict[str, Any]:
+                        decode: Callable[[bytes], dict[str, Any]] = _decode,
+                        on_sent: Callable[[], None] = _nothing,
+                        on_answer: Callable[[], None] = _nothing) -> dict[str, Any]:
+        """`on_sent` runs once the body is encoded (the request goes out next), `on_answer` once its answer's
+        bytes are in (before decoding): the gateway's own time is measured between such marks."""
+        data = _encode(body)
+        on_sent()
         with _translated("engine did not answer in time"):
             async with asyncio.timeout(timeout_s):
-                async with self._session.post(base_url + path, data=_encode(body),
+                async with self._session.post(base_url + path, data=data,
                                               headers={**JSON_HEADERS, **(headers or {})}) as resp:
                     payload = await resp.read()
+                    on_answer()
                     _raise_for_status(resp.status, payload)
                     return decode(payload)
 
     async def open_stream(self, base_url: str, path: str, body: dict[str, Any], *, first_byte_timeout_s: float,
-                          idle_timeout_s: float, headers: dict[str, str] | None = None) -> EngineStream:
+                          idle_timeout_s: float, headers: dict[str, str] | None = None,
+                          on_sent: Callable[[], None] = _nothing) -> EngineStream:
         """POST a streaming request and wait for its response headers (so HTTP errors surface as errors)."""
+        data = _encode(body)
+        on_sent()
         with _translated("decode engine did not start streaming in time"):
             async with asyncio.timeout(first_byte_timeout_s):
-                resp = await self._session.post(base_url + path, data=_encode(body),
+                resp = await self._session.post(base_url + path, data=data,
                                                 headers={**JSON_HEADERS, **(headers or {})})
                 if resp.status >= 400:
                     payload = await resp.read()

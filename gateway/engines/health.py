@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from gateway.engines.client import EngineClient
-from gateway.engines.pool import EnginePool
+from gateway.engines.pool import Engine, EnginePool
 from gateway.errors import EngineTimeoutError, GatewayError
 from gateway.telemetry import Metrics
 
@@ -30,6 +31,8 @@ class HealthChecker:
         self._client, self._pools, self._metrics, self._interval = client, pools, metrics, interval_s
         self._misses: dict[str, int] = {}
         self._answered_at: dict[str, float] = {}
+        # Called (synchronously) when an engine comes back healthy: what was proven about it may have changed
+        self.on_readmit: Callable[[Engine], None] | None = None
 
     async def check_all(self) -> None:
         engines = [e for pool in self._pools for e in pool.engines.values()]
@@ -45,6 +48,8 @@ class HealthChecker:
                 log.warning("engine %s (%s) is now %s", engine.url, engine.role, "healthy" if ok else "unhealthy")
                 if ok:
                     engine.readmit(now)      # back in rotation, but taking traffic gradually
+                    if self.on_readmit is not None:
+                        self.on_readmit(engine)
             engine.healthy = ok
             self._metrics.engine_healthy.labels(engine.role, engine.url).set(int(ok))
 

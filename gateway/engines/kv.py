@@ -87,6 +87,11 @@ def decode_params(prefill_handle: Handle | None, pinned_ids: bytes | None = None
     return params
 
 
+def pinned_only(ids: list[int]) -> dict[str, Any]:
+    """A request's `kv_transfer_params` that only pins its prompt ids: no transfer either way (§5)."""
+    return {_PINNED_IDS: ids}
+
+
 def take(answer: dict[str, Any]) -> Handle | None:
     """Remove the handle from an engine's answer (clients never see it) and return it."""
     wire = answer.pop(WIRE_KEY, None)

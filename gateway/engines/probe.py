@@ -10,12 +10,15 @@ from typing import Any
 
 import msgspec
 
+from gateway.engines import kv
 from gateway.engines.client import EngineClient
 from gateway.engines.pool import Engine
 from gateway.errors import GatewayError
 
 _BLOCK_SIZE = re.compile(rb'vllm:cache_config_info\{[^}]*block_size="(\d+)"')
 PROBE_TIMEOUT_S = 3.0
+PINNED_PROBE_TIMEOUT_S = 15.0       # it generates a token: an engine's first request can be slow
+PINNED_IDS = "pinned_ids"           # Engine.info key: True once the engine is proven to use pinned prompt ids
 
 
 async def probe(client: EngineClient, engine: Engine) -> dict[str, Any]:
@@ -67,6 +70,29 @@ async def tokenize_chat(client: EngineClient, engine: Engine, messages: list[dic
         return None
     tokens = answer.get("tokens")
     return tokens if isinstance(tokens, list) else None
+
+
+async def honours_pinned_ids(client: EngineClient, engine: Engine, messages: list[dict[str, Any]],
+                             pinned: list[int], model: str | None) -> bool | None:
+    """Whether the engine uses `kv_transfer_params.prompt_token_ids` instead of rendering the messages (vLLM
+    0.32+, docs/protocol.md §5). `pinned` must differ from the messages' rendering: the engine is asked for one
+    token and its echoed prompt says which it used. True: the pinned ids; False: it rendered (or used something
+    else); None: no usable answer. Only True proves anything."""
+    body: dict[str, Any] = {"messages": messages, "max_tokens": 1, "stream": False, "return_token_ids": True,
+                            kv.WIRE_KEY: kv.pinned_only(pinned)}
+    if model:
+        body["model"] = model
+    try:
+        answer = await client.post_json(engine.url, "/v1/chat/completions", body, timeout_s=PINNED_PROBE_TIMEOUT_S)
+    except GatewayError:
+        return None
+    echoed = answer.get("prompt_token_ids")
+    return echoed == pinned if isinstance(echoed, list) else None
+
+
+def pinned_ids_proven(engine: Engine) -> bool:
+    """A P leg on this engine needs no echo of its prompt to confirm parity: it uses the ids it is sent."""
+    return engine.info.get(PINNED_IDS) is True
 
 
 def _positive_int(value: Any) -> bool:

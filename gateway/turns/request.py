@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal
 
 import msgspec
 
 from gateway.store import Answer
+from gateway.turns.clock import TurnClock
 
 Endpoint = Literal["/v1/chat/completions", "/v1/completions"]
 
@@ -29,6 +30,8 @@ class TurnRequest:
     request_id: str
     # history_tokens "generated": renders again with past answers as D generated them (see generated.py)
     rerender: Callable[[list[Answer]], list[int]] | None = None
+    # the gateway's own time on this turn (pdgw_gateway_seconds); the handler gives one that reports
+    clock: TurnClock = field(default_factory=lambda: TurnClock(None))
 
     @cached_property
     def prompt_json(self) -> bytes:

@@ -21,6 +21,7 @@ from gateway.config import DEFAULT_TENANT, Settings
 from gateway.engines import kv, routing, sse
 from gateway.engines.client import EngineClient, EngineStream
 from gateway.engines.pool import Engine, EnginePool
+from gateway.engines.probe import pinned_ids_proven
 from gateway.errors import EngineUnavailableError, GatewayError, UpstreamError
 from gateway.store import ConversationKey, StoreUnavailableError, TurnStart
 from gateway.telemetry import Metrics, log_turn
@@ -161,14 +162,17 @@ class TurnRunner:
         began = time.perf_counter()
         turn.prefill = self._pick(turn, "prefill")
         handle = turn.plan.handle
-        body = prefill_body(turn.req, handle, confirm_ids=handle is not None)
+        # P reading D's KV must prefill the verified ids: shown by P's echo, unless P is proven to use them
+        confirm = handle is not None and not pinned_ids_proven(turn.prefill)
+        body = prefill_body(turn.req, handle, confirm_ids=confirm)
         # vLLM can park a P request whose read of D's blocks it declined (docs/protocol.md §1): a leg that
         # carries a handle gets a short deadline, then P is redone without it, on any P.
         timeout = self.settings.prefill_handle_timeout_s if handle else self.settings.prefill_timeout_s
         response = await self.calls.leg("prefill", turn.prefill, self.client.post_json(
             turn.prefill.url, turn.req.endpoint, body, timeout_s=timeout, headers=self._headers(turn, "prefill"),
-            decode=turn.req.decode_answer), len(turn.req.prompt_ids))
-        if handle is not None and prompt_ids_of(response) not in (None, turn.req.prompt_ids):
+            decode=turn.req.decode_answer, on_sent=turn.req.clock.prefill_out, on_answer=turn.req.clock.prefill_in),
+            len(turn.req.prompt_ids))
+        if confirm and prompt_ids_of(response) not in (None, turn.req.prompt_ids):
             log.warning("parity violation on %s: P's prompt differs from the rendered one", turn.req.request_id)
             raise LegSetback("prefill", Setback.PARITY, turn.prefill, UpstreamError("prefill parity"))
         turn.prefill_handle = kv.peek(response)
@@ -187,7 +191,8 @@ class TurnRunner:
         body.pop("stream_options", None)
         response = await self.calls.leg("decode", turn.decode, self.client.post_json(
             turn.decode.url, turn.req.endpoint, body, timeout_s=self.settings.decode_first_byte_timeout_s,
-            headers=self._headers(turn, "decode")))
+            headers=self._headers(turn, "decode"), on_sent=turn.req.clock.decode_out,
+            on_answer=turn.req.clock.decode_in))
         self._observe("decode_ttft", began)
         capture = DecodeCapture()
         view = capture.take(response, turn.req.want_token_ids)
@@ -204,7 +209,8 @@ class TurnRunner:
         stream = await self.calls.leg("decode", turn.decode, self.client.open_stream(
             turn.decode.url, turn.req.endpoint, body,
             first_byte_timeout_s=self.settings.decode_first_byte_timeout_s,
-            idle_timeout_s=self.settings.decode_idle_timeout_s, headers=self._headers(turn, "decode")))
+            idle_timeout_s=self.settings.decode_idle_timeout_s, headers=self._headers(turn, "decode"),
+            on_sent=turn.req.clock.decode_out))
         return TurnReply(self._reply_headers(turn), stream=self._relay(turn, stream))
 
     async def _relay(self, turn: Turn, stream: EngineStream) -> AsyncGenerator[bytes, None]:
@@ -215,6 +221,7 @@ class TurnRunner:
             done = False
             while not done and (events := await stream.next_events()) is not None:
                 if first:
+                    turn.req.clock.decode_in()
                     self._observe("decode_ttft", began)
                     first = False
                 frames = []                  # the events of one read go out in one write

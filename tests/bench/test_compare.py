@@ -15,7 +15,7 @@ from bench.loadgen import RunResult, TurnResult, percentile
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 FINAL = re.compile(r"^compare: added_p50_ms=(\S+) added_p99_ms=(\S+) naive_added_ratio=(\S+) "
-                   r"naive_throughput_ratio=(\S+) cpu_32k_vs_1k=(\S+)$")
+                   r"naive_throughput_ratio=(\S+) cpu_32k_vs_1k=(\S+) internal_p50_ms=(\S+)$")
 
 
 @pytest.mark.integration
@@ -38,6 +38,8 @@ def test_compare_smoke_runs_every_setup_and_ends_with_the_summary_line(tmp_path)
     # The summary line is the table's own figures, not constants.
     added = re.search(r"\| added p50 <= 1 ms at \d+ concurrent conversations \| ([+-][\d.]+) ms", table)
     assert added and abs(float(added.group(1)) - values[0]) < 0.01
+    internal = re.search(r"\| gateway internal p50 <= 0.5 ms \| ([\d.]+) ms", table)
+    assert internal and abs(float(internal.group(1)) - values[5]) < 0.001 and values[5] > 0
     header = next(line for line in table.splitlines() if "| corrupt KV |" in line)
     column = [c.strip() for c in header.split("|")].index("corrupt KV")
     arms = [line for line in table.splitlines() if line.startswith(("| reuse", "| full prefill", "| stateless"))]
@@ -51,6 +53,16 @@ def test_ratios_come_from_measured_turns():
     floor, gateway = run([0.010, 0.011, 0.012]), run([0.0105, 0.0115, 0.0125])
     assert percentile(gateway.ttft(), 50) - percentile(floor.ttft(), 50) == pytest.approx(0.0005)
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([], 99) == 0.0
+
+
+def test_gateway_quantile_interpolates_within_the_bucket_as_prometheus_does():
+    def bucket(le: str, count: float) -> tuple[str, float]:
+        return f'pdgw_gateway_seconds_bucket{{span="internal",le="{le}"}}', count
+    gw = dict([bucket("0.0002", 0), bucket("0.0004", 10), bucket("0.0008", 30), bucket("+Inf", 40),
+               ('pdgw_gateway_seconds_bucket{span="to_client",le="+Inf"}', 5.0)])
+    assert compare.gateway_quantile(gw, "internal", 0.5) == pytest.approx(0.6)    # 20th of 40: 0.4 + 0.4 * 10/20
+    assert compare.gateway_quantile(gw, "internal", 0.25) == pytest.approx(0.4)
+    assert compare.gateway_quantile(gw, "to_prefill", 0.5) is None
 
 
 def test_ideal_reuse_is_the_common_prefix_with_the_previous_held_tokens():

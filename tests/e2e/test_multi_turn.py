@@ -45,6 +45,10 @@ def test_ten_turns_reuse_and_compute_only_the_new_tokens(pd):
     assert pd.metric("pdgw_turns_total", plan="reuse", reason="continuous") >= 9
     for phase in ("intake", "plan", "prefill", "decode_ttft", "total"):     # where a turn's time went
         assert pd.metric("pdgw_turn_seconds_count", phase=phase) >= 10, phase
+    for span in ("to_prefill", "prefill_to_decode", "to_client", "internal"):   # the gateway's own time, JSON
+        assert pd.metric("pdgw_gateway_seconds_count", span=span) >= 10, span     # and streamed turns alike
+    assert 0 < pd.metric("pdgw_gateway_seconds_sum", span="internal") < pd.metric(
+        "pdgw_turn_seconds_sum", phase="total")
 
 
 @pytest.mark.parametrize("edit", ["edited", "truncated", "regenerated"])

@@ -74,3 +74,20 @@ def test_a_refusing_engine_goes_down_after_two_misses():
             return pool.engines[url].healthy
 
     assert asyncio.run(scenario()) is False
+
+
+def test_an_engine_coming_back_healthy_is_handed_to_the_readmission_hook_once():
+    """What was proven about an engine (pinned prompt ids) is re-checked when it returns: it may be another one."""
+    async def scenario() -> tuple[list[str], str]:
+        runner, url = await serve({"s": 0.0})
+        pool = EnginePool("prefill", [url])
+        pool.engines[url].healthy = False                # down, as after an outage (or just added)
+        back: list[str] = []
+        async with aiohttp.ClientSession() as session:
+            checker = HealthChecker(EngineClient(session), [pool], Metrics(), interval_s=0.05)
+            checker.on_readmit = lambda engine: back.append(engine.url)
+            await checks(checker, 3)
+        await runner.cleanup()
+        return back, url
+    back, url = asyncio.run(scenario())
+    assert back == [url]

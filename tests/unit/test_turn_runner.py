@@ -10,6 +10,7 @@ import pytest
 
 from gateway.config import Settings
 from gateway.engines.pool import EnginePool
+from gateway.engines.probe import PINNED_IDS
 from gateway.errors import EngineConnectError, EngineFailedError, EngineTimeoutError, GatewayError
 from gateway.store import Conversation, ConversationKey, MemoryConversationStore
 from gateway.telemetry import Metrics
@@ -61,7 +62,7 @@ def reads_d(body: dict[str, Any]) -> bool:
     return body["kv_transfer_params"].get("remote_engine_id") == "d0"
 
 
-async def run_turn(script: Script, *, retries: int = 2) -> tuple[ScriptedClient, TurnRunner, Any]:
+async def run_turn(script: Script, *, retries: int = 2, proven: bool = False) -> tuple[ScriptedClient, TurnRunner, Any]:
     settings = Settings(prefill=["http://p0", "http://p1"], decode=["http://d0", "http://d1"], max_retries=retries,
                         prefill_affinity=False)
     store, metrics, client = MemoryConversationStore(), Metrics(), ScriptedClient(script)
@@ -71,6 +72,8 @@ async def run_turn(script: Script, *, retries: int = 2) -> tuple[ScriptedClient,
         decode_engine="http://d0", model="m", block_size=BS, num_tokens=20, held_tokens=20,
         block_hashes=held.block_hashes, prefix_hash=held.prefix_hash), dict(D_HANDLE), 1e12, 0.0)
     prefill, decode = EnginePool("prefill", settings.prefill), EnginePool("decode", settings.decode)
+    for engine in prefill.engines.values():
+        engine.info[PINNED_IDS] = proven        # what the start-up probe found (startup.PinnedIdsProof)
     calls = EngineCalls(metrics)
     releaser = HandleReleaser(client, prefill, calls, metrics, "m")
     state = ConversationState(store=store, decode=decode, releaser=releaser, metrics=metrics, settings=settings,
@@ -135,6 +138,28 @@ async def test_parity_violation_redoes_p_without_the_handle_and_spends_no_retry(
     client, _, reply = await run_turn(by_leg(other_tokens), retries=0)
     assert [read for _, read in legs(client)[:2]] == [True, False]
     assert reply.headers["X-PD-Reason"] == "parity_violation"
+
+
+@pytest.mark.parametrize("proven", [False, True])
+async def test_p_echoes_its_prompt_for_the_parity_check_only_where_it_is_not_proven_to_use_pinned_ids(proven):
+    def answer(url: str, body: dict) -> dict:
+        reply = prefill_answer(url, body)
+        if not body["return_token_ids"]:
+            del reply["prompt_token_ids"]      # an engine echoes only when asked
+        return reply
+    client, _, reply = await run_turn(by_leg(answer), proven=proven)
+    first = client.calls[0][1]
+    assert reads_d(first) and first["return_token_ids"] is not proven
+    assert first["kv_transfer_params"]["prompt_token_ids"] is not None       # pinned either way
+    assert reply.headers["X-PD-Plan"] == "reuse"
+
+
+async def test_a_proven_p_is_not_checked_against_an_echo():
+    """Proof replaces the check: no echo is asked, so a (stray) one is not read."""
+    def stray(url: str, body: dict) -> dict:
+        return {**prefill_answer(url, body), "prompt_token_ids": PROMPT[:-1] + [0]}
+    _, _, reply = await run_turn(by_leg(stray), proven=True)
+    assert (reply.headers["X-PD-Plan"], reply.headers["X-PD-Reason"]) == ("reuse", "continuous")
 
 
 async def test_decode_refused_goes_to_another_d_with_ps_handle():
