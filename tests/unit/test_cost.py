@@ -12,7 +12,7 @@ GBPS = 1e9
 
 
 def costs(rate: float | None, overhead: float = 0.0) -> PairCosts:
-    return PairCosts(transfer_bytes_per_s=rate, bytes_per_token=KV_BYTES, prefill_tokens_per_s=PREFILL,
+    return PairCosts(transfer_tokens_per_s=rate / KV_BYTES if rate else None, prefill_tokens_per_s=PREFILL,
                      read_overhead_s=overhead)
 
 
@@ -79,3 +79,8 @@ def test_a_large_transfer_weighs_more_than_a_tiny_one():
 def test_rate_weight_is_checked():
     with pytest.raises(ValueError):
         Rate(weight=0)
+
+
+def test_unknown_prefill_rate_reads_and_learns():
+    d = choose(PairCosts(transfer_tokens_per_s=1e6, prefill_tokens_per_s=None), 32_000, 0)
+    assert (d.choice, d.reason) == (Choice.READ_ALL, CostReason.RATE_UNKNOWN)

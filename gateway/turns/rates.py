@@ -1,0 +1,102 @@
+"""What the gateway has learned of its engines' speeds, for the cost plan (`cost.py`): per P its prefill rate, per
+P-D pair the rate at which P reads that D's KV. Fed after every successful P leg from the leg's own timing; in
+memory, per gateway process (a restart, or another replica, learns again within a few turns).
+
+A P leg takes about computed / prefill rate + read / transfer rate, plus a small fixed part (HTTP, P's one
+decode step) that the rates absorb. A leg that read nothing teaches P's prefill rate; a leg that read teaches the
+pair's transfer rate from what is left of its time after the computed part at the prefill rate already learned.
+Rates are in tokens per second, so the KV bytes per token cancel out and need no setting.
+
+Which tokens P computed and which it read: P's own prefix-cache hits come first (vLLM takes local hits before
+loading), then the handle's tokens beyond them, then the rest. The hits are what P reports in its handle
+(`remote_prefill_cached_tokens`, vLLM >= 0.31 and the simulator); without that, the gateway's estimate
+(`warm_tokens`): the previous turn's P still holds the previous turn's prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.turns.cost import PairCosts, Rate
+
+# vLLM's connector skips a read of fewer tokens than its recompute threshold (64 by default with bidirectional
+# transfer) and computes them instead: such a leg says nothing about the transfer rate.
+MIN_READ_TOKENS = 64
+_SHORTEST_S = 1e-4      # a read hidden in the timing noise: "very fast", not "unknown"
+
+
+@dataclass(frozen=True)
+class PrefillTiming:
+    """One P leg, as the gateway saw it."""
+    prefill: str                 # P's URL
+    holder: str                  # the D whose KV the handle named ("" without a handle)
+    prompt_tokens: int
+    handle_tokens: int           # tokens the handle covered (0: no handle)
+    cached_tokens: int | None    # P's own prefix-cache hits as P reported them (None: not reported)
+    expected_cached: int         # the gateway's untrusted estimate of them (`warm_tokens`)
+    seconds: float
+
+
+def split(prompt_tokens: int, handle_tokens: int, cached_tokens: int) -> tuple[int, int]:
+    """(tokens P read from D, tokens P computed). P always computes the last prompt token itself."""
+    cached = max(0, min(cached_tokens, prompt_tokens - 1))
+    read = max(0, min(handle_tokens, prompt_tokens - 1) - cached)
+    return read, max(1, prompt_tokens - cached - read)
+
+
+class Rates:
+    def __init__(self, weight: float = 0.2) -> None:
+        self.weight = weight
+        self._prefill: dict[str, Rate] = {}
+        self._transfer: dict[tuple[str, str], Rate] = {}
+        self._cold: set[str] = set()    # Ps whose cache last held far less than estimated (evicted, or off)
+
+    def observe(self, leg: PrefillTiming) -> None:
+        self._check_estimate(leg)
+        cached = leg.cached_tokens if leg.cached_tokens is not None else self._trusted(leg.prefill,
+                                                                                        leg.expected_cached)
+        read, computed = split(leg.prompt_tokens, leg.handle_tokens, cached)
+        if read == 0:
+            self._rate(self._prefill, leg.prefill).observe(computed, leg.seconds)
+            return
+        prefill_rate = self.prefill_rate(leg.prefill)
+        if read < MIN_READ_TOKENS or prefill_rate is None:
+            return                       # cannot tell the read's share of the time yet
+        read_s = max(_SHORTEST_S, leg.seconds - computed / prefill_rate)
+        self._rate(self._transfer, (leg.prefill, leg.holder)).observe(read, read_s)
+
+    def costs(self, prefill: str, holder: str) -> PairCosts:
+        transfer = self._transfer.get((prefill, holder))
+        return PairCosts(transfer_tokens_per_s=transfer.value if transfer else None,
+                         prefill_tokens_per_s=self.prefill_rate(prefill))
+
+    def prefill_rate(self, prefill: str) -> float | None:
+        rate = self._prefill.get(prefill)
+        return rate.value if rate else None
+
+    def warm_tokens(self, prefill: str, previous_prefill: str, previous_held: int, *, trusted: bool = True) -> int:
+        """How many of the conversation's held tokens P's prefix cache holds, as far as the gateway can tell: P
+        served the last turn, so it holds that turn's prompt, which is all D holds but the last answer (a
+        slight overestimate: that answer, P computes either way). 0 for another P, and, when `trusted`, for a P
+        whose cache was last found cold (the untrusted figure is what P's next report is checked against)."""
+        if prefill != previous_prefill:
+            return 0
+        return self._trusted(prefill, previous_held) if trusted else previous_held
+
+    def _trusted(self, prefill: str, estimate: int) -> int:
+        return 0 if prefill in self._cold else estimate
+
+    def _check_estimate(self, leg: PrefillTiming) -> None:
+        """P's report against the estimate: an estimate twice too high marks P's cache as not to be counted on
+        (until a report meets it again)."""
+        if leg.cached_tokens is None or leg.expected_cached <= 0:
+            return
+        if leg.cached_tokens * 2 < leg.expected_cached:
+            self._cold.add(leg.prefill)
+        else:
+            self._cold.discard(leg.prefill)
+
+    def _rate(self, rates: dict, key: object) -> Rate:
+        if key not in rates:
+            rates[key] = Rate(self.weight)
+        return rates[key]
