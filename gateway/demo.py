@@ -84,7 +84,8 @@ def main(argv: list[str]) -> None:
         decode = start(["sim", "--role", "decode", "--engine-id", "demo-d", *sim])
         servers.append(decode)
         gateway = start(["serve", "--prefill", prefill.url, "--decode", decode.url, "--tokenizer", args.tokenizer,
-                         "--log-level", "warning"], port=args.port if args.serve else 0)
+                         "--log-level", "warning", "--reuse-policy", "always"],   # show D's KV reused every turn
+                        port=args.port if args.serve else 0)
         servers.append(gateway)
         print(f"gateway {gateway.url}  prefill {prefill.url}  decode {decode.url}  store: embedded\n")
         print_table(asyncio.run(script(gateway, prefill)))

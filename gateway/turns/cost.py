@@ -1,16 +1,16 @@
 """Whether reading a conversation's KV from D pays, against P computing it: the cost model for "reuse only where
-it pays" (issue 17). Pure; `plan.by_cost` calls `choose` after continuity has said which handle it may send, with the rates
-`rates.py` learns.
+it pays" (issue 17). Pure; `plan.by_cost` calls `choose` after continuity has said which handle it may send, with
+the rates `rates.py` learns.
 
 What a turn with D's handle costs, on vLLM (measured on an H200, bench/GPU-RESULTS.md):
 - P takes its own prefix-cache hits first and loads only the rest of the handle's tokens from D; so with a handle
   for R tokens of which P's cache holds `p_cached`, P reads R - p_cached tokens over NIXL, and without a handle P
   computes those same tokens itself. The new suffix is computed in both cases and cancels out.
 - Reading costs 1 / transfer rate per token (NIXL's bytes/s over the KV bytes per token; plus a fixed per-read
-  cost: handshake, notification); computing costs 1 / prefill rate per token. Both are about linear in the tokens, so the cheaper one is best for
-  all of them: reading only a prefix of the missing part (a truncated handle) never beats both ends, and the
-  choices are read (the whole handle: `read_all` when P's cache is cold, `read_missing` when it holds part) or
-  no handle (`recompute`).
+  cost: handshake, notification); computing costs 1 / prefill rate per token. Both are about linear in the
+  tokens, so the cheaper one is best for all of them: reading only a prefix of the missing part (a truncated
+  handle) never beats both ends, and the choices are read (the whole handle: `read_all` when P's cache is cold,
+  `read_missing` when it holds part) or no handle (`recompute`).
 - For that 2.8 B model (36 KiB per token, 63k tokens/s prefill) reading pays above about 2.3 GB/s: it did at
   10.8 GB/s (CUDA IPC, blocks of 128) and did not at 1.6 GB/s (CUDA IPC, blocks of 16) or 0.28 GB/s (TCP).
 
