@@ -130,6 +130,7 @@ def test_fast_transport_reads_like_always():
     with engines(FAST_MS_PER_BLOCK) as e:
         cost, always, stateless = converse(e)
         why = report(cost, always, stateless)
+        print(why)                                   # with -s: the numbers behind the verdict
         assert e.corrupt() == 0
     # turn 2: P's cache was expected warm and found cold; from turn 3 the handle is read, as `always` does
     assert cost.plans()[:2] == ["full/first_turn", "full/p_cache_holds_history"], why
@@ -142,6 +143,7 @@ def test_slow_transport_recomputes_and_is_never_worse_than_stateless():
     with engines(SLOW_MS_PER_BLOCK) as e:
         cost, always, stateless = converse(e)
         why = report(cost, always, stateless)
+        print(why)                                   # with -s: the numbers behind the verdict
         assert e.corrupt() == 0
     # turn 3 reads once (no read timed on the pair yet); from then on P recomputes
     assert cost.plans()[2] == "reuse/continuous", why
