@@ -8,9 +8,13 @@ pair's transfer rate from what is left of its time after the computed part at th
 Rates are in tokens per second, so the KV bytes per token cancel out and need no setting.
 
 Which tokens P computed and which it read: P's own prefix-cache hits come first (vLLM takes local hits before
-loading), then the handle's tokens beyond them, then the rest. The hits are what P reports in its handle
-(`remote_prefill_cached_tokens`, vLLM >= 0.31 and the simulator); without that, the gateway's estimate
-(`warm_tokens`): the previous turn's P still holds the previous turn's prompt.
+loading), then the handle's tokens beyond them, then the rest. The hits are the gateway's estimate
+(`warm_tokens`: the previous turn's P still holds the previous turn's prompt), checked against what P reports in
+its handle (`remote_prefill_cached_tokens`, vLLM >= 0.31 and the simulator) on legs without a handle. On a leg
+that read, the report is not used: vLLM may count the tokens it loaded as cached too (the request's
+`num_cached_tokens` includes external ones), which would hide the read. Errors of the estimate there (a P that
+still holds an older prompt) overstate the read and so the transfer rate: they lean towards reading, as
+`always` does, never towards a recompute that does not pay. The fixed part of a leg leans the same way.
 """
 
 from __future__ import annotations
@@ -52,9 +56,9 @@ class Rates:
         self._cold: set[str] = set()    # Ps whose cache last held far less than estimated (evicted, or off)
 
     def observe(self, leg: PrefillTiming) -> None:
-        self._check_estimate(leg)
-        cached = leg.cached_tokens if leg.cached_tokens is not None else self._trusted(leg.prefill,
-                                                                                        leg.expected_cached)
+        reported = leg.cached_tokens if leg.handle_tokens == 0 else None    # see the module's docstring
+        self._check_estimate(leg.prefill, reported, leg.expected_cached)
+        cached = reported if reported is not None else self._trusted(leg.prefill, leg.expected_cached)
         read, computed = split(leg.prompt_tokens, leg.handle_tokens, cached)
         if read == 0:
             self._rate(self._prefill, leg.prefill).observe(computed, leg.seconds)
@@ -86,15 +90,15 @@ class Rates:
     def _trusted(self, prefill: str, estimate: int) -> int:
         return 0 if prefill in self._cold else estimate
 
-    def _check_estimate(self, leg: PrefillTiming) -> None:
+    def _check_estimate(self, prefill: str, reported: int | None, expected: int) -> None:
         """P's report against the estimate: an estimate twice too high marks P's cache as not to be counted on
         (until a report meets it again)."""
-        if leg.cached_tokens is None or leg.expected_cached <= 0:
+        if reported is None or expected <= 0:
             return
-        if leg.cached_tokens * 2 < leg.expected_cached:
-            self._cold.add(leg.prefill)
+        if reported * 2 < expected:
+            self._cold.add(prefill)
         else:
-            self._cold.discard(leg.prefill)
+            self._cold.discard(prefill)
 
     def _rate(self, rates: dict, key: object) -> Rate:
         if key not in rates:

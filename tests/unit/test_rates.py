@@ -74,3 +74,12 @@ def test_warm_tokens_only_for_the_previous_p_and_only_while_its_reports_bear_it_
     assert rates.warm_tokens(P, P, 900, trusted=False) == 900
     rates.observe(leg(0.1, cached=880, expected=900))        # held again
     assert rates.warm_tokens(P, P, 900) == 900
+
+
+def test_on_a_leg_that_read_the_report_is_not_taken_for_p_s_own_hits():
+    """vLLM may count loaded tokens as cached: a report covering the handle must not hide the read."""
+    rates = Rates(weight=1.0)
+    rates.observe(leg(0.1))                                   # 10k tokens/s
+    rates.observe(leg(0.46, handle=900, cached=900))          # read 900 in 0.45 s, though P "cached" 900
+    assert rates.costs(P, D).transfer_tokens_per_s == pytest.approx(2_000)
+    assert rates.prefill_rate(P) == pytest.approx(10_000)
