@@ -97,7 +97,8 @@ def engines(vllm_python: str, model_dir: Path, log_dir: Path) -> Iterator[Engine
 def gateway(engines: Engines, model_dir: Path) -> Iterator[Server]:
     server = start(["serve", "--tokenizer", str(model_dir), "--prefill", engines.prefill.url,
                     "--decode", engines.decode.url, "--decoder-kv-blocks-ttl-s", str(PIN_TTL_S),
-                    "--handle-ttl-margin-s", str(HANDLE_TTL_MARGIN_S), "--health-interval-s", "1", "--reuse-policy", "always"])
+                    "--handle-ttl-margin-s", str(HANDLE_TTL_MARGIN_S), "--health-interval-s", "1",
+                    "--reuse-policy", "always"])
     try:
         yield server
     finally:
