@@ -6,6 +6,7 @@ input keeps coming. Then the simulators' oracle and the clients' own records are
     python bench/chaos.py [--quick]
 
 Last line: chaos: turns=N corrupt=0 hung=0 leaked_pins=0 bad_input_5xx=0 non_openai_errors=0 reuse_rate=R
+Above it, one line per fallback reason of the later turns that did not reuse (`fallback REASON: N`), most first.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ BAD_INPUTS = [b"{nope", b"[]", b'{"model":"demo"}', b'{"messages":"x"}', b'{"mes
 @dataclass
 class Tally:
     turns: int = 0
-    later_turns: int = 0
+    later_turns: int = 0           # answered turns after a conversation's first (reuse_rate's denominator)
+    later_attempts: int = 0        # the same, answered or not: under load many fail and are not in reuse_rate
     reused: int = 0
     hung: int = 0
     failed: int = 0
@@ -57,6 +59,8 @@ class Tally:
     leaked_pins: int = 0
     notes: list[str] = field(default_factory=list)
     errors: Counter = field(default_factory=Counter)
+    fallbacks: Counter = field(default_factory=Counter)     # X-PD-Reason of later turns planned `full`
+    seconds: list[float] = field(default_factory=list)      # completed turns' durations
     timeline: Counter = field(default_factory=Counter)
     began: float = field(default_factory=time.monotonic)
 
@@ -121,17 +125,22 @@ async def turn(http: aiohttp.ClientSession, fleet: Fleet, session: str, messages
     try:
         async with http.post(url, json=body, headers={"X-Session-Id": session}) as resp:
             answer = await (_read_stream(resp, tally, disconnect) if stream else _read_json(resp, tally))
-            plan = resp.headers.get("X-PD-Plan")
+            plan, reason = resp.headers.get("X-PD-Plan"), resp.headers.get("X-PD-Reason")
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         tally.non_openai_errors += 1
         tally.notes.append(f"transport: {exc!r}")
-        answer, plan = None, None
+        answer, plan, reason = None, None, None
     if time.monotonic() - began > HUNG_S:
         tally.hung += 1
     tally.turns += 1
+    tally.later_attempts += len(messages) > 1
+    if answer is not None:
+        tally.seconds.append(time.monotonic() - began)
     if len(messages) > 1 and answer is not None:
         tally.later_turns += 1
         tally.reused += plan in ("reuse", "partial")
+        if plan not in ("reuse", "partial"):
+            tally.fallbacks[reason or "?"] += 1
     return answer
 
 
@@ -280,6 +289,10 @@ async def run(clients: int, turns: int, fault_period: float, replicas: int) -> T
           f"{tally.disconnects} client disconnects")
     print("errors:", dict(tally.errors.most_common()))
     print("timeline:", sorted(tally.timeline.items()))
+    if tally.seconds:
+        ordered = sorted(tally.seconds)
+        print(f"turn seconds: p50={ordered[len(ordered) // 2]:.2f} p90={ordered[len(ordered) * 9 // 10]:.2f} "
+              f"max={ordered[-1]:.2f}")
     for note in tally.notes[-12:]:
         print("note:", note)
     return tally
@@ -295,6 +308,9 @@ def main() -> None:
         dict(clients=300, turns=6, fault_period=20.0, replicas=3)
     t = asyncio.run(run(**size))
     reuse_rate = t.reused / t.later_turns if t.later_turns else 0.0
+    print(f"later turns: {t.later_turns} answered of {t.later_attempts}; {t.reused} of them reused D's KV")
+    for reason, count in t.fallbacks.most_common():
+        print(f"fallback {reason}: {count} ({count / max(t.later_turns, 1):.0%} of later turns)")
     print(f"chaos: turns={t.turns} corrupt={t.corrupt} hung={t.hung} leaked_pins={t.leaked_pins} "
           f"bad_input_5xx={t.bad_input_5xx} non_openai_errors={t.non_openai_errors} reuse_rate={reuse_rate:.2f}")
 

@@ -41,6 +41,8 @@ PLACE_P, PLACE_D = 4, 2         # placement phase: engines per pool
 # D's last handle to P (P reads the history from D), so theirs is the load generator doing just that itself.
 REUSE_FLOOR = "floor with reuse"
 FLOORS = ("floor", REUSE_FLOOR)
+PRESSURE_LINK = ("Under pressure (D's KV pinned by idle conversations; P's cache vs the working set): "
+                 "`python bench/pressure.py`, [PRESSURE.md](PRESSURE.md), curve [pressure.png](pressure.png).")
 BASELINE = {"pd-gateway": REUSE_FLOOR, "naive proxy": REUSE_FLOOR, "vllm-router": "floor"}
 
 
@@ -474,6 +476,7 @@ def report(args, sizes: Sizes, zero: dict, history: dict, gpu: dict, reasoning: 
                   f"p99 {added(router, 99):+.2f} ms, {_fmt(router.cpu_ms_per_turn)} CPU ms per "
                   "turn; it keeps no conversation state, so every turn is a full prefill on P (less P's prefix-cache "
                   "hits).", ""]
+    lines += [PRESSURE_LINK, ""]
     if notes:
         lines += ["## Notes", "", *[f"- {n}" for n in notes], ""]
     final = (f"compare: added_p50_ms={added50:.3f} added_p99_ms={added99:.3f} "

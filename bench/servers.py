@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from gateway.processes import Server, answers, free_port, start  # noqa: E402
+from gateway.processes import Server, answers, free_port, start, stop_process  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
 START_TIMEOUT_S = 60.0
@@ -44,7 +45,7 @@ class Servers(contextlib.ExitStack):
 
     def _wait(self, procs: list[_Pending]) -> list[Server]:
         for proc in procs:            # stopped on exit even if another one fails to start
-            self.callback(_stop_pid, proc.proc)
+            self.callback(stop_process, proc.proc)
         return [p.wait() for p in procs]
 
     def gateway(self, prefill: list[Server], decode: list[Server], *flags: str) -> Server:
@@ -100,16 +101,6 @@ def _pin(cpus: set[int] | None):
     return (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
 
 
-def _stop_pid(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-
-
 def _spawn(args: list[str], *, port_flag: bool = False, port: int | None = None,
            cpus: set[int] | None = None) -> Server:
     tmp = Path(tempfile.mkdtemp(prefix="pdgw-bench-"))
@@ -134,7 +125,7 @@ def _await(proc: subprocess.Popen, port_file: Path, log_path: Path, args: list[s
             if answers(server.url + "/health"):
                 return server
         time.sleep(0.05)
-    proc.kill()
+    stop_process(proc, signal.SIGKILL)
     raise TimeoutError(f"{args[:2]} not healthy after {START_TIMEOUT_S}s:\n{log_path.read_text()[-3000:]}")
 
 

@@ -25,6 +25,7 @@ class Workload:
     new_tokens: int = 64            # per user message
     history_tokens: int = 0         # a system prompt this long opens every conversation
     think_s: float = 0.0            # mean pause between a reply and the next question (uniform in 0..2x)
+    think_range_s: tuple[float, float] | None = None  # instead: uniform in this range (bench/pressure.py)
     seed: int = 0
     sessions: bool = True           # send X-Session-Id (False: stateless PD, plan `full`)
     salt_each_turn: bool = False    # a fresh cache_salt per turn: no prefix-cache hit anywhere (true full prefill)
@@ -56,4 +57,6 @@ class Script:
         return {"role": "user", "content": (head if turn == 0 else "") + words(self._rng, self.w.new_tokens)}
 
     def think(self) -> float:
+        if self.w.think_range_s is not None:
+            return self._rng.uniform(*self.w.think_range_s)
         return self._rng.uniform(0, 2 * self.w.think_s) if self.w.think_s > 0 else 0.0

@@ -82,7 +82,8 @@ async def _lifespan(app: Litestar, settings: Settings, tracing: Tracing,
         report = await startup_report(client, prefill, decode, renderer, store, settings)
         log_report(report)
         models, block_size = report.models, report.block_size
-        state.intake = Intake(renderer, models, settings.max_messages, settings.history_tokens)
+        state.intake = Intake(renderer, models, settings.max_messages, settings.history_tokens,
+                              report.max_model_len)
         runner = _runner(client, prefill, decode, store, state.metrics, settings, block_size,
                          models[0] if models else "", tracing, renderer)
         state.gateway = Gateway(state.api_keys, state.intake, state.metrics, runner, settings)
@@ -153,5 +154,6 @@ async def _readiness(store: ConversationStore, prefill: EnginePool, decode: Engi
         store_ok = False
     engines_ok = bool(prefill.healthy()) and bool(decode.healthy())
     degraded = [] if store_ok else ["store_unavailable: turns are served stateless (plan full)"]
-    return {"ready": engines_ok, "store": store.kind, "store_ok": store_ok, "degraded": degraded,
+    store_name = "embedded" if store.kind == "memory" else store.kind      # as the report and the docs say
+    return {"ready": engines_ok, "store": store_name, "store_ok": store_ok, "degraded": degraded,
             "prefill_healthy": len(prefill.healthy()), "decode_healthy": len(decode.healthy())}

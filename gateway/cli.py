@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 import typing
 
@@ -24,6 +25,7 @@ HELP = {
     "decoder_kv_blocks_ttl_s": "D's decoder_kv_blocks_ttl: how long D pins a finished turn's KV",
     "handle_ttl_margin_s": "stop using a D handle this long before D unpins it",
     "conversation_ttl_s": "forget a conversation this long after its last turn",
+    "decode_pin_budget": "fraction of each D's KV blocks the stored handles may pin; over it the least recently used idle ones are released (0: off, TTL only)",
     "stream_handle_policy": "when D streams without its handle: miss (count it) or buffer (non-streamed D leg, re-streamed)",
     "history_tokens": "rendered (default) or generated",
     "decode_load_bound": "outstanding requests above which a conversation leaves its D",
@@ -55,6 +57,18 @@ HELP = {
 
 
 NOT_SETTINGS = ("config", "port_file", "print_config", "json", "strict")
+
+COMMANDS = {
+    "serve": "run the gateway in front of vLLM prefill (--prefill) and decode (--decode) engines",
+    "check": "probe the engines and the store, print the start-up report and a verdict (exit 1 on fail)",
+    "demo": "gateway + simulated P and D + embedded store on this machine, with a scripted chat",
+    "sim": "one simulated vLLM engine (prefill, decode or colocated)",
+    "migrate": "apply migrations/ to the Redis store (idempotent)",
+    "hash-key": "read an API key on stdin, print its SHA-256 for --api-keys",
+}
+# The errors that mean "nothing can listen there": say so in one line instead of a traceback.
+_LISTEN_ERRORS = {errno.EADDRINUSE: "is already in use", errno.EACCES: "needs privileges",
+                  errno.EADDRNOTAVAIL: "is not an address of this machine"}
 
 
 def settings_parser(prog: str, description: str | None = None) -> argparse.ArgumentParser:
@@ -116,7 +130,13 @@ def serve(argv: list[str]) -> None:
         app = create_app(settings, reload=lambda: parse_settings(argv, "pd-gateway serve", parser)[0])
     except ValueError as exc:
         raise SystemExit(f"pd-gateway serve: {exc}") from None
-    run(app, settings.host, settings.port, port_file=args.port_file, log_level=settings.log_level)
+    try:
+        run(app, settings.host, settings.port, port_file=args.port_file, log_level=settings.log_level)
+    except OSError as exc:
+        if exc.errno not in _LISTEN_ERRORS:
+            raise
+        raise SystemExit(f"pd-gateway serve: {settings.host}:{settings.port} {_LISTEN_ERRORS[exc.errno]}: stop "
+                         "what listens there (another gateway or scripts/demo?) or pass another --port") from None
 
 
 def check(argv: list[str]) -> None:
@@ -147,6 +167,8 @@ def migrate_parser(default_redis_url: str | None = None) -> argparse.ArgumentPar
 def migrate(argv: list[str]) -> None:
     import asyncio
 
+    from redis.exceptions import RedisError
+
     from gateway.store.migrate import apply_migrations
 
     try:
@@ -156,14 +178,44 @@ def migrate(argv: list[str]) -> None:
     args = migrate_parser(default).parse_args(argv)
     if not args.redis_url:
         raise SystemExit("pd-gateway migrate: --redis-url (or PDGW_REDIS_URL) is required")
-    applied = asyncio.run(apply_migrations(args.redis_url))
+    try:
+        applied = asyncio.run(apply_migrations(args.redis_url))
+    except (RedisError, OSError) as exc:
+        raise SystemExit(f"pd-gateway migrate: the store at {config.mask_url(args.redis_url)} does not answer "
+                         f"({_first_line(exc)}): start Redis or fix --redis-url") from None
     print(f"applied migrations: {applied or 'none (up to date)'}")
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+
+
+def usage() -> str:
+    options = {"-h, --help": "this list", "--version": "print the version"}
+    width = max(map(len, [*COMMANDS, *options]))
+    rows = lambda table: [f"  {name:<{width}}  {text}" for name, text in table.items()]  # noqa: E731
+    return "\n".join(["usage: pd-gateway COMMAND [options]   (pd-gateway COMMAND --help: that command's options)",
+                      "", "commands:", *rows(COMMANDS), "", "options:", *rows(options)])
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("pd-gateway")
+    except PackageNotFoundError:        # run from a checkout that was never installed
+        return "unknown (not installed)"
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     command, rest = (argv[0], argv[1:]) if argv else ("", [])
-    if command == "sim":
+    if command in ("", "-h", "--help", "help"):
+        print(usage())
+    elif command == "--version":
+        print(f"pd-gateway {version()}")
+    elif command == "sim":
         from gateway.sim.cli import main as sim_main
 
         sim_main(rest)
@@ -182,4 +234,4 @@ def main(argv: list[str] | None = None) -> None:
     elif command == "check":
         check(rest)
     else:
-        raise SystemExit("usage: pd-gateway {serve,check,demo,sim,migrate,hash-key} ... (pd-gateway COMMAND --help)")
+        raise SystemExit(f"pd-gateway: unknown command {command!r}\n\n{usage()}")

@@ -23,6 +23,7 @@ DEFAULT_TOKENIZER = "builtin:demo"
 DEFAULT_SESSION_HEADER = "X-Session-Id"
 DEFAULT_DECODER_KV_BLOCKS_TTL_S = 480.0
 DEFAULT_HANDLE_TTL_MARGIN_S = 30.0
+DEFAULT_DECODE_PIN_BUDGET = 0.5
 DEFAULT_TENANT = "default"
 ENV_PREFIX = "PDGW_"
 CONFIG_ENV = "PDGW_CONFIG"       # names the settings file when --config is not given
@@ -39,6 +40,7 @@ Seconds = Annotated[float, msgspec.Meta(gt=0)]            # a deadline or period
 NonNegativeSeconds = Annotated[float, msgspec.Meta(ge=0)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+Fraction = Annotated[float, msgspec.Meta(ge=0, le=1)]
 
 
 class ConfigError(ValueError):
@@ -59,6 +61,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     decoder_kv_blocks_ttl_s: NonNegativeSeconds = DEFAULT_DECODER_KV_BLOCKS_TTL_S
     handle_ttl_margin_s: NonNegativeSeconds = DEFAULT_HANDLE_TTL_MARGIN_S
     conversation_ttl_s: Seconds = 86400.0
+    decode_pin_budget: Fraction = DEFAULT_DECODE_PIN_BUDGET  # of D's KV blocks its stored handles may pin; 0: off
     stream_handle_policy: StreamHandlePolicy = "miss"
     history_tokens: HistoryTokens = "rendered"
     decode_load_bound: PositiveInt = 64            # outstanding requests above which affinity yields

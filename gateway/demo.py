@@ -1,12 +1,20 @@
 """`pd-gateway demo`: a gateway, one simulated P, one simulated D and the embedded store, all local; a scripted
-multi-turn chat, one table row per turn. `--serve` keeps everything running for your own requests."""
+multi-turn chat, one table row per turn. `--serve` keeps everything running for your own requests.
+
+Its three processes are children of this one: any way this one is asked to stop (Ctrl-C, SIGTERM, SIGHUP) stops
+them too, so no orphan keeps port 8000. Their logs go to one folder, printed at start and kept afterwards."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import signal
+import socket
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import aiohttp
 
@@ -69,33 +77,66 @@ def print_table(rows: list[dict]) -> None:
               f"{row['computed']:>10} {row['ttft_ms']:>8.1f}")
 
 
+class Stopped(Exception):
+    """A stop signal arrived: unwind through `finally`, which stops the children."""
+
+
+def _on_stop_signals() -> None:
+    def stop(signum: int, _frame: object) -> None:
+        raise Stopped(signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="pd-gateway demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="pd-gateway demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--serve", action="store_true", help="keep the stack running after the script")
     parser.add_argument("--port", type=int, default=8000, help="gateway port with --serve")
     parser.add_argument("--tokenizer", default="builtin:demo")
     args = parser.parse_args(argv)
+    if args.serve and port_in_use(args.port):
+        raise SystemExit(f"pd-gateway demo: port {args.port} is in use (an earlier demo or gateway still "
+                         "running?): stop it, or pass --port N")
+    _on_stop_signals()
+    logs = Path(tempfile.mkdtemp(prefix="pd-gateway-demo-"))
+    print(f"component logs: {logs}/ (prefill.log, decode.log, gateway.log)", flush=True)
     servers: list[Server] = []
     try:
-        # Answers longer than kv_recompute_threshold (64 tokens), so P reads them from D instead of recomputing.
-        sim = ["--tokenizer", args.tokenizer, "--stream-kv-params", "--output-tokens", "80:120"]
-        prefill = start(["sim", "--role", "prefill", "--engine-id", "demo-p", *sim])
-        servers.append(prefill)
-        decode = start(["sim", "--role", "decode", "--engine-id", "demo-d", *sim])
-        servers.append(decode)
-        gateway = start(["serve", "--prefill", prefill.url, "--decode", decode.url, "--tokenizer", args.tokenizer,
-                         "--log-level", "warning", "--reuse-policy", "always"],   # show D's KV reused every turn
-                        port=args.port if args.serve else 0)
-        servers.append(gateway)
-        print(f"gateway {gateway.url}  prefill {prefill.url}  decode {decode.url}  store: embedded\n")
-        print_table(asyncio.run(script(gateway, prefill)))
-        if args.serve:
-            print(f"\nserving on {gateway.url} (Ctrl-C stops). Try:\n  curl -s {gateway.url}/v1/chat/completions "
-                  "-H 'Content-Type: application/json' -H 'X-Session-Id: s1' "
-                  "-d '{\"model\":\"demo\",\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}]}'")
-            gateway.proc.wait()
-    except KeyboardInterrupt:
+        run(args, logs, servers)
+    except (KeyboardInterrupt, Stopped):
         pass
+    except (RuntimeError, TimeoutError) as exc:      # a component did not start: its log says why
+        print(f"pd-gateway demo: {str(exc).splitlines()[0]} (its log: {logs}/)", file=sys.stderr)
+        raise SystemExit(1) from None
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)       # a second signal must not interrupt the clean-up
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
         for server in reversed(servers):
             server.stop()
+
+
+def run(args: argparse.Namespace, logs: Path, servers: list[Server]) -> None:
+    # Answers longer than kv_recompute_threshold (64 tokens), so P reads them from D instead of recomputing.
+    sim = ["--tokenizer", args.tokenizer, "--stream-kv-params", "--output-tokens", "80:120"]
+    prefill = start(["sim", "--role", "prefill", "--engine-id", "demo-p", *sim], log_dir=logs, name="prefill")
+    servers.append(prefill)
+    decode = start(["sim", "--role", "decode", "--engine-id", "demo-d", *sim], log_dir=logs, name="decode")
+    servers.append(decode)
+    gateway = start(["serve", "--prefill", prefill.url, "--decode", decode.url, "--tokenizer", args.tokenizer,
+                     "--log-level", "warning", "--reuse-policy", "always"],   # show D's KV reused every turn
+                    port=args.port if args.serve else 0, log_dir=logs, name="gateway")
+    servers.append(gateway)
+    print(f"gateway {gateway.url}  prefill {prefill.url}  decode {decode.url}  store: embedded\n")
+    print_table(asyncio.run(script(gateway, prefill)))
+    if args.serve:
+        print(f"\nserving on {gateway.url} (Ctrl-C stops). Try:\n  curl -s {gateway.url}/v1/chat/completions "
+              "-H 'Content-Type: application/json' -H 'X-Session-Id: s1' "
+              "-d '{\"model\":\"demo\",\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}]}'", flush=True)
+        gateway.proc.wait()

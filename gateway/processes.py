@@ -1,5 +1,5 @@
-"""Child server processes (for `pd-gateway demo` and the tests): start on port 0, read the bound port back,
-wait on /health, stop by PID.
+"""Child server processes (for `pd-gateway demo`, the tests and the benchmarks): start on port 0, read the bound
+port back, wait on /health, stop by PID (`stop_process`, the one way this repo stops a child).
 
 Every server command of this repo (`pd-gateway serve`, `pd-gateway sim`) accepts `--port 0 --port-file F`
 and writes the port it bound to F once it listens.
@@ -19,6 +19,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 10.0
+
+
+def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """Stop one child by its PID: `sig` (SIGTERM: a clean shutdown), SIGKILL if it is still there after
+    `timeout_s`, and reap it, so its port is free when this returns. A child already gone is left alone."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout_s)
 
 
 @dataclass
@@ -36,20 +50,15 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        stop_process(self.proc, sig)
 
 
 def start(args: list[str], *, health: str = "/health", env: dict[str, str] | None = None,
-          port: int = 0) -> Server:
-    """Run `pd-gateway ARGS --host 127.0.0.1 --port PORT --port-file F` and wait until it answers `health`."""
-    tmp = Path(tempfile.mkdtemp(prefix="pdgw-test-"))
-    port_file, log_path = tmp / "port", tmp / "log"
+          port: int = 0, log_dir: Path | None = None, name: str | None = None) -> Server:
+    """Run `pd-gateway ARGS --host 127.0.0.1 --port PORT --port-file F` and wait until it answers `health`.
+    Its output goes to `log_dir/NAME.log` (default: a fresh temporary folder, `log`)."""
+    tmp = log_dir or Path(tempfile.mkdtemp(prefix="pdgw-test-"))
+    port_file, log_path = (tmp / f"{name}.port", tmp / f"{name}.log") if name else (tmp / "port", tmp / "log")
     cmd = [sys.executable, "-m", "gateway", *args, "--host", "127.0.0.1", "--port", str(port),
            "--port-file", str(port_file)]
     log = open(log_path, "wb")
@@ -67,8 +76,7 @@ def start(args: list[str], *, health: str = "/health", env: dict[str, str] | Non
             time.sleep(0.05)
         raise TimeoutError(f"{args[0]} not healthy after {START_TIMEOUT_S}s:\n{log_path.read_text()}")
     except BaseException:
-        proc.kill()
-        proc.wait()
+        stop_process(proc, signal.SIGKILL)
         raise
 
 

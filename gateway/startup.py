@@ -32,8 +32,11 @@ PROBE_MESSAGES = [
     {"role": "assistant", "content": "2 + 2 = 4. Anything else?"},
     {"role": "user", "content": "Yes: name three prime numbers, please."},
 ]
-# PROTOCOL.md §1 said recompute on P; real vLLM 0.32 parks a declined read under it (docs/vllm-findings.md #8)
+# The protocol notes once said recompute on P; real vLLM 0.32 parks a declined read under it (docs/vllm-findings.md #8)
 RECOMMENDED_POLICY = {"prefill": "fail", "decode": "fail"}
+VLLM_DEFAULT_DECODER_KV_BLOCKS_TTL_S = 480.0
+# The kv_role an engine must have to serve a pool (kv_both serves either).
+ROLES = {"prefill": ("kv_producer", "kv_both"), "decode": ("kv_consumer", "kv_both")}
 Level = Literal["ok", "warn", "fail"]
 _RANK = {"ok": 0, "warn": 1, "fail": 2}
 
@@ -52,6 +55,7 @@ class EngineReport:
     version: str | None = None
     block_size: int | None = None
     models: list[str] = field(default_factory=list)
+    max_model_len: int | None = None              # from /v1/models
     kv_transfer: dict[str, Any] | None = None     # from /server_info, when the engine exposes it
     parity: Literal["match", "mismatch", "unknown"] = "unknown"
     parity_detail: str = ""
@@ -77,6 +81,7 @@ class StartupReport:
     store_ok: bool
     models: list[str]
     block_size: int
+    max_model_len: int | None                     # the smallest any engine reported: longer requests get 400
     reuse: str                                    # one sentence: what this set-up means for reuse
     findings: list[Finding]
 
@@ -87,7 +92,8 @@ class StartupReport:
     def lines(self) -> list[str]:
         store = f"{self.store} ({'answers' if self.store_ok else 'does not answer'})"
         return ["pd-gateway start-up report", *(f"  {e.line()}" for e in self.engines),
-                f"  store    {store}", f"  models   {', '.join(self.models) or '?'}; KV block size {self.block_size}",
+                f"  store    {store}", f"  models   {', '.join(self.models) or '?'}; KV block size {self.block_size}; "
+                f"max_model_len {self.max_model_len or '?'}",
                 f"  reuse    {self.reuse}", f"  verdict  {self.verdict}",
                 *(f"  {f.level}: {f.text}" for f in self.findings)]
 
@@ -105,10 +111,12 @@ async def gather(client: EngineClient, prefill: EnginePool, decode: EnginePool, 
     models = [settings.model] if settings.model else next((r.models for r in reports if r.models), [])
     sizes = {r.block_size for r in reports if r.block_size}
     block_size = settings.block_size or (min(sizes) if sizes else DEFAULT_BLOCK_SIZE)
+    lengths = [r.max_model_len for r in reports if r.max_model_len]
     store_name = mask_url(settings.redis_url) if settings.redis_url else "embedded (single process)"
     findings = [*_reachability(reports), *_agreement(reports, settings), *_transfer(reports),
+                *_roles(reports), *_decoder_ttl(reports, settings),
                 *_parity(reports, renderer, expected), *_store(settings, store_ok)]
-    return StartupReport(reports, store_name, store_ok, models, block_size,
+    return StartupReport(reports, store_name, store_ok, models, block_size, min(lengths, default=None),
                          _reuse(reports, settings, store_ok), findings)
 
 
@@ -151,7 +159,7 @@ async def _engine_report(client: EngineClient, engine: Engine, expected: list[in
         return EngineReport(mask_url(engine.url), engine.role, reachable=False)
     info = await probe(client, engine)
     report = EngineReport(mask_url(engine.url), engine.role, True, info.get("version"), info.get("block_size"),
-                          info.get("models") or [], info.get("kv_transfer"))
+                          info.get("models") or [], info.get("max_model_len"), info.get("kv_transfer"))
     if expected is not None:
         served = model or next(iter(report.models), None)
         report.parity, report.parity_detail = _compare(expected, await tokenize_chat(client, engine,
@@ -227,8 +235,36 @@ def _transfer(reports: list[EngineReport]) -> list[Finding]:
     for r in up:
         policy = r.kv_transfer["failure_policy"] if r.kv_transfer else None
         if policy and policy != RECOMMENDED_POLICY[r.role]:
-            out.append(Finding("warn", f"{r.role} {r.url} has kv_load_failure_policy {policy!r}; recommended "
-                                       f"{RECOMMENDED_POLICY[r.role]!r} (see docs/deployment.md)"))
+            # P under recompute never answers a read it declined (docs/vllm-findings.md #8): a hung turn
+            level: Level = "fail" if r.role == "prefill" else "warn"
+            out.append(Finding(level, f"{r.role} {r.url} has kv_load_failure_policy {policy!r}; use "
+                                      f"{RECOMMENDED_POLICY[r.role]!r} (see docs/deployment.md)"))
+    return out
+
+
+def _roles(reports: list[EngineReport]) -> list[Finding]:
+    """An engine's kv_role must fit the pool it was given: P produces KV for D, D consumes it."""
+    out = []
+    for r in reports:
+        kv_role = r.kv_transfer.get("role") if r.reachable and r.kv_transfer else None
+        if kv_role and kv_role not in ROLES[r.role]:
+            flag = "--prefill" if r.role == "prefill" else "--decode"
+            out.append(Finding("fail", f"{r.url} is given as {flag} but its kv_role is {kv_role!r}: are "
+                                       "--prefill and --decode swapped?"))
+    return out
+
+
+def _decoder_ttl(reports: list[EngineReport], settings: Settings) -> list[Finding]:
+    """The gateway drops a handle before D unpins its blocks only if it knows D's decoder_kv_blocks_ttl."""
+    out = []
+    for r in reports:
+        if r.role != "decode" or not r.reachable or not r.kv_transfer:
+            continue
+        ttl = r.kv_transfer.get("decoder_kv_blocks_ttl") or VLLM_DEFAULT_DECODER_KV_BLOCKS_TTL_S
+        if ttl != settings.decoder_kv_blocks_ttl_s:
+            out.append(Finding("fail", f"decode {r.url} has decoder_kv_blocks_ttl {ttl:g} s but the gateway's "
+                                       f"--decoder-kv-blocks-ttl-s is {settings.decoder_kv_blocks_ttl_s:g} s: "
+                                       "set them equal (a longer gateway value reads freed blocks)"))
     return out
 
 

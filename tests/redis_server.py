@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.servers import free_port
+from tests.servers import free_port, stop_process
 
 START_TIMEOUT_S = 10.0
 _PING = b"*1\r\n$4\r\nPING\r\n"
@@ -75,13 +75,7 @@ class RedisServer:
         """Terminate our process by PID and wait for it, so the port is free when this returns."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        stop_process(self.proc)
         self.proc = None
 
     def restart(self) -> RedisServer:

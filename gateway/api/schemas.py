@@ -10,6 +10,9 @@ import msgspec
 from gateway.errors import InvalidRequestError
 
 _decode = msgspec.json.Decoder().decode
+# Deeper JSON than this is refused: decoding, re-encoding for the engines and template rendering all recurse,
+# and Python's stack (1000 frames) must keep room for the server's own frames around them.
+MAX_JSON_DEPTH = 512
 
 
 class Message(msgspec.Struct, forbid_unknown_fields=False):
@@ -56,6 +59,10 @@ def parse(raw: bytes, schema: type[msgspec.Struct]) -> tuple[dict[str, Any], Any
         body = _decode(raw)
     except msgspec.DecodeError as exc:
         raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise _too_deep() from None
+    if _depth_bound(raw) > MAX_JSON_DEPTH and _depth(body) > MAX_JSON_DEPTH:
+        raise _too_deep()
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
     try:
@@ -64,6 +71,29 @@ def parse(raw: bytes, schema: type[msgspec.Struct]) -> tuple[dict[str, Any], Any
         raise InvalidRequestError(f"invalid request: {exc}", param=_param(str(exc))) from None
     _check(parsed)
     return body, parsed
+
+
+def _too_deep() -> InvalidRequestError:
+    return InvalidRequestError(f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels")
+
+
+def _depth_bound(raw: bytes) -> int:
+    """An upper bound on the nesting depth, at C speed: most bodies open too few brackets to need a walk."""
+    return raw.count(b"[") + raw.count(b"{")
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of decoded JSON, without recursion (a deep body must not exhaust the stack here either)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if isinstance(node, dict):
+            node = node.values()
+        elif not isinstance(node, list):
+            continue
+        deepest = max(deepest, depth)
+        todo.extend((child, depth + 1) for child in node if isinstance(child, (dict, list)))
+    return deepest
 
 
 def _param(error: str) -> str | None:

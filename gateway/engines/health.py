@@ -1,5 +1,10 @@
 """Active health checks: poll every engine's `/health`, keep `Engine.healthy` and the gauge current.
-Passive ejection (consecutive request failures) is the circuit breaker in pool.py."""
+Passive ejection (consecutive request failures) is the circuit breaker in pool.py.
+
+A probe that times out is not a miss by itself: an engine busy with prompts answers `/health` late, and on a
+loaded machine every engine of a pool does at once; marking them down turned overload into 503s for everyone
+and moved conversations off the D that holds their KV (`decode_unavailable`). A refused or failed probe is a
+miss; a slow one only once the engine has not answered at all for SLOW_GRACE_S (a hung engine)."""
 
 from __future__ import annotations
 
@@ -9,26 +14,29 @@ import time
 
 from gateway.engines.client import EngineClient
 from gateway.engines.pool import EnginePool
-from gateway.errors import GatewayError
+from gateway.errors import EngineTimeoutError, GatewayError
 from gateway.telemetry import Metrics
 
 log = logging.getLogger(__name__)
 
 
 PROBE_TIMEOUT_S = 2.0
-MISSES_TO_MARK_DOWN = 2     # one slow answer from a busy engine is not an outage
+MISSES_TO_MARK_DOWN = 2     # one failed probe is not an outage
+SLOW_GRACE_S = 15.0         # probes that only time out mark an engine down after this long without an answer
 
 
 class HealthChecker:
     def __init__(self, client: EngineClient, pools: list[EnginePool], metrics: Metrics, interval_s: float) -> None:
         self._client, self._pools, self._metrics, self._interval = client, pools, metrics, interval_s
         self._misses: dict[str, int] = {}
+        self._answered_at: dict[str, float] = {}
 
     async def check_all(self) -> None:
         engines = [e for pool in self._pools for e in pool.engines.values()]
         results = await asyncio.gather(*(self._probe(e.url) for e in engines))
         now = time.monotonic()
-        for engine, answered in zip(engines, results, strict=True):
+        for engine, result in zip(engines, results, strict=True):
+            answered = self._answered(engine.url, result, now)
             first_check = engine.url not in self._misses
             misses = 0 if answered else self._misses.get(engine.url, 0) + 1
             self._misses[engine.url] = misses
@@ -45,9 +53,19 @@ class HealthChecker:
             await asyncio.sleep(self._interval)
             await self.check_all()
 
-    async def _probe(self, url: str) -> bool:
+    def _answered(self, url: str, result: bool | None, now: float) -> bool:
+        """A slow probe (None) counts as an answer while the engine answered within SLOW_GRACE_S."""
+        if result:
+            self._answered_at[url] = now
+            return True
+        return result is None and now - self._answered_at.setdefault(url, now) < SLOW_GRACE_S
+
+    async def _probe(self, url: str) -> bool | None:
+        """True: answered; False: refused or failed; None: no answer within the probe's timeout."""
         try:
             await self._client.get(url, "/health", timeout_s=PROBE_TIMEOUT_S)
             return True
+        except EngineTimeoutError:
+            return None
         except GatewayError:
             return False

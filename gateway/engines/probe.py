@@ -1,5 +1,6 @@
-"""What an engine says about itself: served models, vLLM version, KV block size (from /metrics), its KV-transfer
-config (from /server_info, which vLLM serves only with VLLM_SERVER_DEV_MODE=1), and how it tokenizes a chat."""
+"""What an engine says about itself: served models and `max_model_len` (from /v1/models), vLLM version, KV block
+size (from /metrics), its KV-transfer config (from /server_info, which vLLM serves only with
+VLLM_SERVER_DEV_MODE=1), and how it tokenizes a chat."""
 
 from __future__ import annotations
 
@@ -25,7 +26,10 @@ async def probe(client: EngineClient, engine: Engine) -> dict[str, Any]:
     info: dict[str, Any] = {}
     if models:
         data = _json(models).get("data")
-        info["models"] = [m["id"] for m in data if isinstance(m, dict) and "id" in m] if isinstance(data, list) else []
+        cards = [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
+        info["models"] = [m["id"] for m in cards if "id" in m]
+        if lengths := [m["max_model_len"] for m in cards if _positive_int(m.get("max_model_len"))]:
+            info["max_model_len"] = min(lengths)
     if version:
         info["version"] = _json(version).get("version")
     if metrics and (match := _BLOCK_SIZE.search(metrics)):
@@ -43,9 +47,12 @@ def kv_transfer_of(server_info: dict[str, Any]) -> dict[str, Any] | None:
     if not isinstance(kv, dict):
         return None
     extra = kv.get("kv_connector_extra_config") or {}
+    ttl = extra.get("decoder_kv_blocks_ttl")
     return {"connector": kv.get("kv_connector"), "role": kv.get("kv_role"),
             "failure_policy": kv.get("kv_load_failure_policy", "fail"),
-            "bidirectional": bool(extra.get("bidirectional_kv_xfer", False))}
+            "bidirectional": bool(extra.get("bidirectional_kv_xfer", False)),
+            # absent: vLLM's default (docs/protocol.md §1); D pins a finished turn's blocks this long
+            "decoder_kv_blocks_ttl": float(ttl) if isinstance(ttl, (int, float)) and ttl > 0 else None}
 
 
 async def tokenize_chat(client: EngineClient, engine: Engine, messages: list[dict[str, Any]],
@@ -60,6 +67,10 @@ async def tokenize_chat(client: EngineClient, engine: Engine, messages: list[dic
         return None
     tokens = answer.get("tokens")
     return tokens if isinstance(tokens, list) else None
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _json(payload: bytes) -> dict[str, Any]:

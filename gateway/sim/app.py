@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Annotated, Any, AsyncIterator
 
 import msgspec
 from litestar import Litestar, MediaType, Request, Response, get, post
@@ -17,7 +17,7 @@ from litestar.response import Stream
 from gateway.sim import wire
 from gateway.sim.engine import Engine, KVLoadParked
 from gateway.sim.metrics import render_metrics
-from gateway.sim.render import Renderer
+from gateway.sim.render import Renderer, RenderError
 from gateway.sim.serving import Serving, SimRequestError
 from gateway.sim.settings import SimSettings
 from gateway.sim.transfer import KVHeartbeatRequest, KVNotifyRequest, KVReadRequest
@@ -43,6 +43,10 @@ def _error(_: Request, exc: Exception) -> Response:
 async def _until_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+class ResetRequest(msgspec.Struct):
+    num_blocks: Annotated[int, msgspec.Meta(ge=1)] | None = None  # resize the KV pool (benchmark sweeps)
 
 
 TIMING_FIELDS = ("prefill_ms_per_token", "decode_ms_per_token", "transfer_ms_per_block")
@@ -92,8 +96,11 @@ def create_sim_app(settings: SimSettings) -> Litestar:
     async def tokenize(request: Request) -> Response:
         body = msgspec.json.decode(await request.body(), type=wire.TokenizeRequest)
         if body.messages is not None:
-            ids = renderer.render_chat(body.messages, add_generation_prompt=body.add_generation_prompt,
-                                       tools=body.tools, template_kwargs=body.chat_template_kwargs)
+            try:
+                ids = renderer.render_chat(body.messages, add_generation_prompt=body.add_generation_prompt,
+                                           tools=body.tools, template_kwargs=body.chat_template_kwargs)
+            except RenderError as exc:
+                raise SimRequestError(400, str(exc)) from exc
         else:
             ids = renderer.render_prompt(body.prompt or "")
         strs = renderer.token_strs(ids) if body.return_token_strs else None
@@ -142,16 +149,20 @@ def create_sim_app(settings: SimSettings) -> Litestar:
                       "waiting": engine.waiting})
 
     @post("/sim/reset", status_code=200)
-    async def reset() -> Response:
-        engine.reset()
-        return _json({"ok": True})
+    async def reset(request: Request) -> Response:
+        try:
+            body = msgspec.json.decode(await request.body() or b"{}", type=ResetRequest)
+        except msgspec.DecodeError as exc:
+            return _json(wire.error_body(str(exc), 400), 400)
+        engine.reset(body.num_blocks)
+        return _json({"ok": True, "num_blocks": engine.settings.num_blocks})
 
     @post("/sim/kv/read", status_code=200)
     async def kv_read(request: Request) -> Response:
         body = msgspec.json.decode(await request.body(), type=KVReadRequest)
         if body.engine_id != settings.engine_id or body.block_size != settings.block_size:
             return _json(wire.error_body("handshake refused: engine id or block size mismatch", 400), 409)
-        if any(not 0 <= i < settings.num_blocks for i in body.block_ids):
+        if any(not 0 <= i < engine.settings.num_blocks for i in body.block_ids):
             return _json(wire.error_body("block id out of range", 400), 400)
         blocks = [list(engine.pool.blocks[i].slots) for i in body.block_ids]  # copied before they are freed
         claim = engine.handles.claim(body.request_id)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 Slot = tuple[int, int]  # (token id, position) whose KV a slot holds
@@ -47,6 +48,8 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}
+        # Called after a release frees blocks: the queue of requests waiting for blocks admits its head then.
+        self.on_free: Callable[[], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -68,6 +71,10 @@ class BlockPool:
             ids.append(block_id)
         return ids
 
+    def can_take(self, hits: list[int], n: int) -> bool:
+        """Whether `n` fresh blocks fit after touching `hits` (a hit on a free cached block takes it too)."""
+        return n + sum(1 for block_id in hits if self.blocks[block_id].refs == 0) <= len(self.free)
+
     def match_prefix(self, hashes: list[bytes]) -> list[int]:
         """Ids of the longest cached run of `hashes`, from the start."""
         if not self.caching:
@@ -87,11 +94,15 @@ class BlockPool:
 
     def release(self, ids: list[int]) -> None:
         # Reversed, as vLLM: a request's tail blocks are evicted before its head blocks.
+        freed = False
         for block_id in reversed(ids):
             block = self.blocks[block_id]
             block.refs -= 1
             if block.refs == 0:
                 self.free[block_id] = None
+                freed = True
+        if freed and self.on_free is not None:
+            self.on_free()
 
     def commit(self, block_id: int, h: bytes) -> None:
         """Register a full block in the prefix cache; the first block cached under a hash keeps it."""

@@ -12,7 +12,7 @@ import uvicorn
 
 from gateway.sim.app import create_sim_app
 from gateway.sim.settings import (DEFAULT_BLOCK_SIZE, DEFAULT_LEASE_S, DEFAULT_MAX_MODEL_LEN, DEFAULT_NUM_BLOCKS,
-                                  DEFAULT_PIN_TTL_S, DEFAULT_VERSION, SimSettings)
+                                  DEFAULT_PIN_TTL_S, DEFAULT_VERSION, EXPIRY_MARGIN_S, SimSettings)
 
 ROLES = {"prefill": "prefill", "decode": "decode", "colocated": "colocated",
          "kv_producer": "prefill", "kv_consumer": "decode"}
@@ -43,6 +43,8 @@ def parser() -> argparse.ArgumentParser:
     a("--no-bidirectional", action="store_true")
     a("--kv-lease-duration", type=float, default=DEFAULT_LEASE_S)
     a("--decoder-kv-blocks-ttl", type=float, default=DEFAULT_PIN_TTL_S)
+    a("--expiry-margin-s", type=float, default=EXPIRY_MARGIN_S,
+      help="a reader declines a handle expiring within this (vLLM: 5 s); lower it only to compress time")
     a("--kv-recompute-threshold", type=int, default=None, help="default 64 when bidirectional, else 0")
     a("--kv-load-failure-policy", choices=["recompute", "fail"], default="fail")
     a("--no-prefix-caching", action="store_true")
@@ -55,6 +57,11 @@ def parser() -> argparse.ArgumentParser:
     a("--transfer-ms-per-block", type=float, default=0.0)
     a("--max-num-seqs", type=int, default=256)
     a("--output-tokens", type=_range, default=(8, 40), help="natural answer length MIN:MAX tokens")
+    a("--enable-auto-tool-choice", action="store_true", help="let the model call tools (tool_choice auto)")
+    a("--tool-call-parser", choices=["hermes"], default=None, help="how tool calls are parsed (vLLM's hermes)")
+    a("--tool-call-rate", type=float, default=0.5, help="share of auto-tool-choice answers that call tools")
+    a("--tool-call-style", choices=["template", "varied"], default="template",
+      help="varied: some calls' JSON is compact, arguments-first or \\u-escaped (re-renders differently)")
     a("--version", default=DEFAULT_VERSION, help="version string reported at /version")
     a("--log-level", default="warning")
     return p
@@ -66,12 +73,15 @@ def settings_from(args: argparse.Namespace, port: int) -> SimSettings:
         model=args.model, tokenizer=args.tokenizer, chat_template=args.chat_template, block_size=args.block_size,
         num_blocks=args.num_blocks, max_model_len=args.max_model_len, bidirectional=not args.no_bidirectional,
         kv_lease_duration=args.kv_lease_duration, decoder_kv_blocks_ttl=args.decoder_kv_blocks_ttl,
+        expiry_margin_s=args.expiry_margin_s,
         kv_recompute_threshold=args.kv_recompute_threshold, kv_load_failure_policy=args.kv_load_failure_policy,
         prefix_caching=not args.no_prefix_caching, stream_kv_params=args.stream_kv_params,
         canonical=not args.non_canonical, reasoning=args.reasoning,
         honour_prompt_token_ids=not args.no_prompt_token_ids, prefill_ms_per_token=args.prefill_ms_per_token,
         decode_ms_per_token=args.decode_ms_per_token, transfer_ms_per_block=args.transfer_ms_per_block,
-        max_num_seqs=args.max_num_seqs, output_tokens=args.output_tokens, version=args.version)
+        max_num_seqs=args.max_num_seqs, output_tokens=args.output_tokens, version=args.version,
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+        tool_call_rate=args.tool_call_rate, tool_call_style=args.tool_call_style)
 
 
 def main(argv: list[str] | None = None) -> None:

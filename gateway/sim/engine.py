@@ -11,19 +11,23 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, AsyncIterator
+
+import msgspec
 
 from gateway.sim.blocks import GARBAGE, BlockPool, PoolExhaustedError, Slot, block_hashes
 from gateway.sim.generate import Answer, Model, context_digest
+from gateway.sim.tools import ToolSpec
 from gateway.sim.handles import HandleTable
 from gateway.sim.kvload import KVSource, load_plan, parks
 from gateway.sim.render import Renderer
 from gateway.sim.settings import SimSettings
 from gateway.sim.stats import SimStats
 from gateway.sim.transfer import KVClient, TransferError
+from gateway.sim.waiting import BlockQueue, Grant
 
 EXPIRY_TICK_S = 0.2
-POOL_RETRY_S = 0.01
 
 
 class KVLoadError(Exception):
@@ -46,6 +50,7 @@ class EngineRequest:
     ignore_eos: bool = False
     seed: int | None = None
     stop: list[str] | None = None
+    tools: ToolSpec | None = None        # what the request lets the model call
 
 
 @dataclass
@@ -64,8 +69,10 @@ class Engine:
         self.stats = SimStats()
         self.pool = BlockPool(settings.num_blocks, settings.block_size, caching=settings.prefix_caching)
         self.handles = HandleTable(self.pool, self.stats)
+        self.block_queue = BlockQueue(self.pool, self.stats)
         self.model = Model(renderer, output_tokens=settings.output_tokens, canonical=settings.canonical,
-                           reasoning=settings.reasoning)
+                           reasoning=settings.reasoning, tool_call_rate=settings.tool_call_rate,
+                           tool_call_style=settings.tool_call_style)
         self.kv = KVClient(settings.engine_id, settings.block_size)
         self.running = 0
         self.waiting = 0
@@ -84,10 +91,18 @@ class Engine:
                 await self._ticker
         await self.kv.close()
 
-    def reset(self) -> None:
+    def reset(self, num_blocks: int | None = None) -> None:
+        """Forget handles, cache and counters; with `num_blocks`, also resize the KV pool (benchmarks sweep it).
+        Only between runs: a request in flight would keep blocks of the old pool."""
         self.handles.clear()
         self.pool.reset_cache()
-        self.stats = self.handles.stats = SimStats()
+        self.stats = SimStats()
+        if num_blocks is not None and num_blocks != self.settings.num_blocks:
+            self.settings = msgspec.structs.replace(self.settings, num_blocks=num_blocks)
+            self.pool = BlockPool(num_blocks, self.bs, caching=self.settings.prefix_caching)
+            self.handles = HandleTable(self.pool, self.stats)
+            self.block_queue = BlockQueue(self.pool, self.stats)
+        self.handles.stats = self.block_queue.stats = self.stats
 
     # -- the request's life ---------------------------------------------------------------------------
     def source(self, params: dict[str, Any] | None) -> KVSource | None:
@@ -139,6 +154,7 @@ class Engine:
         params, prompt = run.req.kv_params, run.req.prompt
         kv_len = len(prompt) + len(run.answer.token_ids) - 1  # the last sampled token has no KV
         if not self._extend(run, kv_len):
+            self.stats.holds_skipped_no_blocks += 1
             self.pool.release(run.table)
             return None
         if self.settings.role == "prefill" and params and params.get("do_remote_decode"):
@@ -160,14 +176,9 @@ class Engine:
     async def _prefill(self, req: EngineRequest, source: KVSource | None) -> Running:
         prompt, bs = req.prompt, self.bs
         hashes = block_hashes(prompt, bs, req.cache_salt)
-        hits = self.pool.match_prefix(hashes)[: (len(prompt) - 1) // bs]  # the last token is always computed
-        self.pool.touch(hits)
-        try:
-            fresh = await self._allocate(-(-len(prompt) // bs) - len(hits))
-        except BaseException:
-            self.pool.release(hits)
-            raise
-        table, cached = hits + fresh, len(hits) * bs
+        table, num_hits = await self._allocate(prompt, hashes)
+        hits = table[:num_hits]
+        cached = num_hits * bs
         try:
             loaded = await self._load(req, source, cached)
         except BaseException:
@@ -185,24 +196,77 @@ class Engine:
             await asyncio.sleep(computed * self.settings.prefill_ms_per_token / 1000)
         slots = self._check(prompt, table)
         answer = self.model.answer(context_digest(slots), seed=req.seed, max_tokens=req.max_tokens,
-                                   min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop=req.stop)
-        return Running(req, table, len(hits), answer)
+                                   min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop=req.stop,
+                                   tools=req.tools)
+        table, num_hits = await self._with_answer_blocks(req, table, num_hits, hashes, len(answer.token_ids))
+        return Running(req, table, num_hits, answer)
 
-    async def _allocate(self, n: int) -> list[int]:
-        """Blocks for a prompt; when the pool is full the request waits, as vLLM's scheduler keeps it queued."""
-        if n > len(self.pool.blocks):
-            raise PoolExhaustedError(f"the prompt needs {n} KV blocks, the engine has {len(self.pool.blocks)}")
-        while True:
-            try:
-                return self.pool.allocate(n)
-            except PoolExhaustedError:
-                await asyncio.sleep(POOL_RETRY_S)
+    async def _with_answer_blocks(self, req: EngineRequest, table: list[int], num_hits: int, hashes: list[bytes],
+                                  answer_len: int) -> Grant:
+        """Blocks for the answer's KV too, taken before decoding (vLLM takes them step by step, running requests
+        before waiting ones). None free: the request is preempted as vLLM does it, by recompute: its blocks go
+        back (its prompt's stay in the prefix cache), it waits at the head of the queue for prompt and answer
+        blocks together, and recomputes locally whatever the cache lost meanwhile. Owns `table`: on any
+        failure it releases what it holds."""
+        prompt, bs = req.prompt, self.bs
+        total = -(-(len(prompt) + answer_len - 1) // bs)
+        extra = total - len(table)
+        if extra <= 0 or total > len(self.pool.blocks):
+            return table, num_hits                  # nothing to add, or never fits: no handle at the finish
+        if extra <= self.pool.num_free:
+            return table + self.pool.allocate(extra), num_hits
+        self.stats.requests_preempted += 1
+        table, num_hits = await self._queued(self._attempt(prompt, hashes, total), first=True, giving_back=table)
+        try:
+            recomputed = 0
+            for i in range(num_hits, -(-len(prompt) // bs)):
+                block = self.pool.blocks[table[i]]
+                block.slots = [(prompt[p], p) for p in range(i * bs, min((i + 1) * bs, len(prompt)))]
+                recomputed += len(block.slots)
+                if i < len(hashes):
+                    self.pool.commit(table[i], hashes[i])
+            self.stats.prompt_tokens_computed += recomputed
+            if self.settings.prefill_ms_per_token and recomputed:
+                await asyncio.sleep(recomputed * self.settings.prefill_ms_per_token / 1000)
+        except BaseException:
+            self.pool.release(table)
+            raise
+        return table, num_hits
+
+    def _attempt(self, prompt: list[int], hashes: list[bytes], total: int) -> Callable[[], Grant | None]:
+        """Take `total` blocks for the request, its prefix-cache hits first, if they fit now; else take nothing."""
+        def attempt() -> Grant | None:
+            hits = self.pool.match_prefix(hashes)[: (len(prompt) - 1) // self.bs]  # the last token is computed
+            fresh = total - len(hits)
+            if not self.pool.can_take(hits, fresh):
+                return None
+            self.pool.touch(hits)
+            return hits + self.pool.allocate(fresh), len(hits)
+        return attempt
+
+    async def _allocate(self, prompt: list[int], hashes: list[bytes]) -> Grant:
+        """The prompt's blocks (prefix-cache hits, then fresh ones). When they do not fit the request waits."""
+        total = -(-len(prompt) // self.bs)
+        if total > len(self.pool.blocks):
+            raise PoolExhaustedError(f"the prompt needs {total} KV blocks, the engine has {len(self.pool.blocks)}")
+        attempt = self._attempt(prompt, hashes, total)
+        return self.block_queue.try_now(attempt) or await self._queued(attempt)
+
+    async def _queued(self, attempt: Callable[[], Grant | None], *, first: bool = False,
+                      giving_back: list[int] | None = None) -> Grant:
+        """Wait in the queue, counted as waiting, not running, as vLLM's scheduler keeps it in its waiting queue."""
+        self.running, self.waiting = self.running - 1, self.waiting + 1
+        try:
+            return await self.block_queue.wait(attempt, first=first, giving_back=giving_back)
+        finally:
+            self.running, self.waiting = self.running + 1, self.waiting - 1
 
     async def _load(self, req: EngineRequest, source: KVSource | None, cached: int) -> dict[int, Slot]:
         """KV for prompt positions read from the holder, by position; empty when nothing is read."""
         if source is None:
             return {}
-        plan = load_plan(source, len(req.prompt), cached, self.bs, self.settings.recompute_threshold)
+        plan = load_plan(source, len(req.prompt), cached, self.bs, self.settings.recompute_threshold,
+                         margin_s=self.settings.expiry_margin_s)
         if plan.declined:
             self.stats.kv_reads_declined += 1
             if self.settings.kv_load_failure_policy == "recompute":

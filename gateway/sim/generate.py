@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from gateway.sim.blocks import Slot
 from gateway.sim.render import Renderer
+from gateway.sim.tools import Style, ToolSpec, compose
 
 WORDS = (
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
@@ -43,8 +44,9 @@ class Model:
     """Turns a context digest into the answer's token ids, honouring max/min tokens, EOS and stop strings."""
 
     def __init__(self, renderer: Renderer, *, output_tokens: tuple[int, int], canonical: bool = True,
-                 reasoning: bool = False) -> None:
+                 reasoning: bool = False, tool_call_rate: float = 0.5, tool_call_style: Style = "template") -> None:
         self.renderer = renderer
+        self.tool_call_rate, self.tool_call_style = tool_call_rate, tool_call_style
         self.output_tokens = output_tokens
         self.canonical = canonical
         self.reasoning = reasoning
@@ -52,12 +54,15 @@ class Model:
         self.split_ids = {w: [t for ch in w for t in renderer.encode(ch)] for w in self.word_ids}
 
     def answer(self, digest: bytes, *, seed: int | None, max_tokens: int, min_tokens: int = 0,
-               ignore_eos: bool = False, stop: list[str] | None = None) -> Answer:
+               ignore_eos: bool = False, stop: list[str] | None = None, tools: ToolSpec | None = None) -> Answer:
         rng = random.Random(digest + struct.pack("<q", seed or 0))
         natural = rng.randint(*self.output_tokens)
         ids: list[int] = self._opening(rng)
+        calls = compose(rng, tools, rate=self.tool_call_rate, style=self.tool_call_style) if tools else None
+        if calls is not None:
+            ids += self.renderer.encode(calls)      # a tool call's length is its JSON's, not `natural`
         first = True
-        while len(ids) < max(natural, min_tokens) or (ignore_eos and len(ids) < max_tokens):
+        while calls is None and (len(ids) < max(natural, min_tokens) or (ignore_eos and len(ids) < max_tokens)):
             ids += self._word(rng, first=first)
             first = False
         ids = ids[:max_tokens]

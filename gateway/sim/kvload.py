@@ -63,9 +63,9 @@ class LoadPlan:
 
 
 def load_plan(source: KVSource, prompt_len: int, cached: int, block_size: int, threshold: int,
-              now: float | None = None) -> LoadPlan:
+              now: float | None = None, margin_s: float = EXPIRY_MARGIN_S) -> LoadPlan:
     now = time.monotonic() if now is None else now
-    if source.expiry is not None and source.expiry - now < EXPIRY_MARGIN_S:
+    if source.expiry is not None and source.expiry - now < margin_s:
         return LoadPlan(declined=True)
     held = prompt_len if source.num_tokens is None else source.num_tokens
     reach = min(held, prompt_len)

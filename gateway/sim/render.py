@@ -5,9 +5,11 @@ The simulator never uses the gateway's renderer: it is the independent side of e
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
 from transformers import AutoTokenizer
 
 BUILTIN_PREFIX = "builtin:"
@@ -24,6 +26,10 @@ def tokenizer_source(spec: str) -> str:
     return spec
 
 
+class RenderError(ValueError):
+    """Messages the chat template cannot render (vLLM answers 400)."""
+
+
 class Renderer:
     """Messages or prompts → token ids, and ids → text, exactly as a vLLM frontend would."""
 
@@ -34,9 +40,12 @@ class Renderer:
 
     def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
                     tools: list[Any] | None = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            [_flatten(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt,
-            tools=tools, chat_template=self.chat_template, **(template_kwargs or {}))
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [_flatten(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt,
+                tools=tools, chat_template=self.chat_template, **(template_kwargs or {}))
+        except (ValueError, TypeError, KeyError, TemplateError) as exc:
+            raise RenderError(str(exc)) from exc
         return self.encode(text)
 
     def render_prompt(self, prompt: str) -> list[int]:
@@ -64,4 +73,20 @@ def _flatten(message: dict[str, Any]) -> dict[str, Any]:
         message = {**message, "content": "\n".join(texts)}
     elif content is None and "content" in message:
         message = {**message, "content": ""}
+    if message.get("role") == "assistant" and isinstance(message.get("tool_calls"), list):
+        message = _parsed_tool_calls(message)
     return message
+
+
+def _parsed_tool_calls(message: dict[str, Any]) -> dict[str, Any]:
+    """vLLM hands templates tool call arguments as parsed JSON (a string is loaded, an empty one is {}) and
+    drops an empty tool_calls list."""
+    if not message["tool_calls"]:
+        return {k: v for k, v in message.items() if k != "tool_calls"}
+    calls = []
+    for call in message["tool_calls"]:
+        fn = dict(call["function"])
+        args = fn.get("arguments")
+        fn["arguments"] = (args if isinstance(args, (dict, list)) else json.loads(args)) if args else {}
+        calls.append({**call, "function": fn})
+    return {**message, "tool_calls": calls}

@@ -18,8 +18,10 @@ from gateway.sim import wire
 from gateway.sim.blocks import PoolExhaustedError
 from gateway.sim.engine import Engine, EngineRequest, KVLoadError, KVLoadParked, Running
 from gateway.sim.generate import THINK_CLOSE, THINK_OPEN
-from gateway.sim.render import Renderer
+from gateway.sim.render import Renderer, RenderError
 from gateway.sim.settings import SimSettings
+from gateway.sim.tools import (ToolRequestError, ToolSpec, ToolStream, extract, finish_reason, message_calls,
+                               tool_spec)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM's /v1/completions default
 
@@ -39,6 +41,7 @@ class Call:
     external_id: str
     body: wire.SamplingFields
     engine_req: EngineRequest
+    tools: ToolSpec | None = None     # chat with tools the model may call (see tools.py)
 
     @property
     def wants_ids(self) -> bool:
@@ -57,11 +60,24 @@ class Serving:
     def chat_call(self, raw: bytes, header_id: str | None) -> Call:
         body = _decode(raw, wire.ChatRequest)
         self._check_model(body.model)
-        prompt = self._pinned_prompt(body) or self.renderer.render_chat(
-            body.messages, add_generation_prompt=body.add_generation_prompt, tools=body.tools,
-            template_kwargs=body.chat_template_kwargs)
+        try:
+            tools = tool_spec(body.tools, body.tool_choice, auto_enabled=self._auto_tools)
+        except ToolRequestError as exc:
+            raise SimRequestError(400, str(exc)) from exc
+        try:
+            prompt = self._pinned_prompt(body) or self.renderer.render_chat(
+                body.messages, add_generation_prompt=body.add_generation_prompt, tools=body.tools,
+                template_kwargs=body.chat_template_kwargs)
+        except RenderError as exc:
+            raise SimRequestError(400, str(exc)) from exc
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return self._call("chat", "chatcmpl-", body, prompt, max_tokens, header_id)
+        call = self._call("chat", "chatcmpl-", body, prompt, max_tokens, header_id)
+        call.tools = call.engine_req.tools = tools
+        return call
+
+    @property
+    def _auto_tools(self) -> bool:
+        return self.settings.enable_auto_tool_choice and self.settings.tool_call_parser is not None
 
     def completion_call(self, raw: bytes, header_id: str | None) -> Call:
         body = _decode(raw, wire.CompletionRequest)
@@ -145,10 +161,14 @@ class Serving:
                 stop_reason=ans.stop_reason, token_ids=ids, prompt_ids=prompt_ids, n_prompt=len(prompt),
                 n_out=len(out), kv_params=handle)
         reasoning, content = self._split(out)
+        parsed = extract(call.tools, content or "") if call.tools else None
+        if parsed is not None and parsed.called:
+            content = parsed.content
         return wire.chat_response(
-            call.external_id, model, content=content, reasoning=reasoning, finish=ans.finish_reason,
-            stop_reason=ans.stop_reason, token_ids=ids, prompt_ids=prompt_ids, n_prompt=len(prompt),
-            n_out=len(out), kv_params=handle)
+            call.external_id, model, content=content, reasoning=reasoning,
+            finish=finish_reason(call.tools, parsed, ans.finish_reason), stop_reason=ans.stop_reason,
+            token_ids=ids, prompt_ids=prompt_ids, n_prompt=len(prompt), n_out=len(out), kv_params=handle,
+            tool_calls=message_calls(parsed) if parsed is not None and parsed.called else None)
 
     def _split(self, out: list[int]) -> tuple[str | None, str | None]:
         """vLLM's think-tag reasoning parser: text inside <think>…</think> is reasoning, the rest content."""
@@ -184,7 +204,7 @@ class Serving:
             if call.kind == "chat":
                 yield frame.role_chunk()
             out: list[int] = []
-            state = _Pieces(self, out)
+            state = _Pieces(self, out, call.tools, run.answer.token_ids)
             total = len(run.answer.token_ids)
             async for token in self.engine.decode(run):
                 out.append(token)
@@ -193,7 +213,8 @@ class Serving:
                 handle = self.engine.finish(run) if last else None
                 if delta is None and not last and not call.wants_ids:
                     continue
-                yield frame.token_chunk(token, delta or {}, run if last else None, handle, len(out) == 1)
+                yield frame.token_chunk(token, delta or {}, run if last else None, handle, len(out) == 1,
+                                        state.finish_reason if last else None)
             if not run.done:  # a stop string matched at once: nothing generated
                 handle = self.engine.finish(run)
                 yield frame.token_chunk(-1, {}, run, handle, False)
@@ -209,20 +230,39 @@ class Serving:
 class _Pieces:
     """Incremental detokenization, routed to `content` or `reasoning_content` like vLLM's parsers."""
 
-    def __init__(self, serving: Serving, out: list[int]) -> None:
+    def __init__(self, serving: Serving, out: list[int], tools: ToolSpec | None = None,
+                 final_ids: list[int] | None = None) -> None:
         self.serving, self.out = serving, out
         self.text = ""
         self.in_think = False
+        self.tools = self._tool_stream(tools, final_ids or [])
+        self.content_at = 0          # where the content (after any reasoning) starts in the text
 
-    def delta(self, token: int) -> dict[str, str] | None:
+    def _tool_stream(self, tools: ToolSpec | None, final_ids: list[int]) -> ToolStream | None:
+        if tools is None:
+            return None
+        _, content = self.serving._split(final_ids)
+        return ToolStream(tools, content or "")
+
+    @property
+    def finish_reason(self) -> str | None:
+        """"tool_calls" once the streamed answer called tools (auto or required), else the engine's."""
+        if self.tools is None or not self.tools.called or self.tools.spec.mode == "named":
+            return None
+        return "tool_calls"
+
+    def delta(self, token: int) -> dict[str, Any] | None:
         text = self.serving.renderer.decode(self.out)
         piece, self.text = text[len(self.text):], text
         reasoning = self.serving.settings.reasoning
         if reasoning and token in self.serving.think_ids:
             self.in_think = token == self.serving.think_ids[0]
+            self.content_at = len(text)
             return None
         if self.in_think:
             return {"reasoning_content": piece, "reasoning": piece}
+        if self.tools is not None:
+            return self.tools.delta(text[self.content_at:])
         return {"content": piece}
 
 
@@ -237,8 +277,8 @@ class _Framer:
                   "finish_reason": None}
         return wire.sse(wire.chunk(self.call.external_id, self.model, self.created, self.obj, [choice], **top))
 
-    def token_chunk(self, token: int, delta: dict[str, str], finished: Running | None,
-                    handle: dict[str, Any] | None, first: bool) -> bytes:
+    def token_chunk(self, token: int, delta: dict[str, Any], finished: Running | None,
+                    handle: dict[str, Any] | None, first: bool, finish: str | None = None) -> bytes:
         choice: dict[str, Any]
         if self.call.kind == "chat":
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
@@ -251,7 +291,7 @@ class _Framer:
             choice["token_ids"] = [token] if token >= 0 else []
         top: dict[str, Any] = {}
         if finished is not None:
-            choice["finish_reason"] = finished.answer.finish_reason
+            choice["finish_reason"] = finish or finished.answer.finish_reason
             choice["stop_reason"] = finished.answer.stop_reason
             if handle is not None and self.stream_kv_params:
                 top["kv_transfer_params"] = handle

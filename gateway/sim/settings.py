@@ -35,6 +35,7 @@ class SimSettings(msgspec.Struct, kw_only=True, frozen=True):
     bidirectional: bool = True
     kv_lease_duration: float = DEFAULT_LEASE_S
     decoder_kv_blocks_ttl: float = DEFAULT_PIN_TTL_S
+    expiry_margin_s: float = EXPIRY_MARGIN_S  # vLLM's constant; lowered only to compress time in benchmarks
     kv_recompute_threshold: int | None = None  # None: 64 when bidirectional, else 0
     kv_load_failure_policy: FailurePolicy = "fail"
     prefix_caching: bool = True
@@ -47,6 +48,10 @@ class SimSettings(msgspec.Struct, kw_only=True, frozen=True):
     transfer_ms_per_block: float = 0.0
     max_num_seqs: int = 256
     output_tokens: tuple[int, int] = (8, 40)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None   # "hermes" (the only one simulated)
+    tool_call_rate: float = 0.5           # how often the model calls a tool when tool_choice is "auto"
+    tool_call_style: Literal["template", "varied"] = "template"
     version: str = DEFAULT_VERSION
 
     @property

@@ -44,6 +44,7 @@ class ChatRequest(SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -72,15 +73,18 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
             "completion_tokens": completion_tokens, "prompt_tokens_details": None}
 
 
-def chat_message(content: str | None, reasoning: str | None) -> dict[str, Any]:
+def chat_message(content: str | None, reasoning: str | None,
+                 tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"role": "assistant", "content": content, "refusal": None, "annotations": None, "audio": None,
-            "function_call": None, "tool_calls": [], "reasoning": reasoning, "reasoning_content": reasoning}
+            "function_call": None, "tool_calls": tool_calls or [], "reasoning": reasoning,
+            "reasoning_content": reasoning}
 
 
 def chat_response(rid: str, model: str, *, content: str | None, reasoning: str | None, finish: str,
                   stop_reason: str | int | None, token_ids: list[int] | None, prompt_ids: list[int] | None,
-                  n_prompt: int, n_out: int, kv_params: dict[str, Any] | None) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "message": chat_message(content, reasoning), "logprobs": None,
+                  n_prompt: int, n_out: int, kv_params: dict[str, Any] | None,
+                  tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "message": chat_message(content, reasoning, tool_calls), "logprobs": None,
                               "finish_reason": finish, "stop_reason": stop_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids

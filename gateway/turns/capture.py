@@ -7,6 +7,7 @@ from typing import Any
 
 from gateway.engines import kv
 from gateway.turns.legs import prompt_ids_of
+from gateway.turns.tools import merge_calls
 
 # Engine-internal fields a client never sees unless it asked for token ids.
 _TOKEN_FIELDS = ("prompt_token_ids", "token_ids")
@@ -22,6 +23,7 @@ class DecodeCapture:
     error: bool = False
     output_ids_seen: bool = False
     text: list[str] = field(default_factory=list)      # the answer's text as the client got it
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)     # and its tool calls
 
     def take(self, payload: dict[str, Any], want_token_ids: bool) -> dict[str, Any]:
         """Record one response or chunk, and return the client's view of it (engine internals removed)."""
@@ -41,6 +43,7 @@ class DecodeCapture:
             piece = message.get("content") if message else choice.get("text")
             if piece:
                 self.text.append(piece)
+            merge_calls(self.tool_calls, message.get("tool_calls"))
             if not want_token_ids:
                 for key in _TOKEN_FIELDS:
                     choice.pop(key, None)
@@ -50,4 +53,4 @@ class DecodeCapture:
 
     @property
     def finished(self) -> bool:
-        return not self.error and self.finish_reason in ("stop", "length")
+        return not self.error and self.finish_reason in ("stop", "length", "tool_calls")

@@ -187,10 +187,15 @@ def check(prompt: list[int], held: Fingerprint, *, partial_allowed: bool) -> Ver
     r = held.held_tokens
     if r > 0 and len(prompt) >= r and _extends(prompt, r, held.prefix_hash):
         return Verdict("reuse", "continuous", r)
-    reason = "prompt_shorter" if len(prompt) < r else "prefix_diverged"
     # The cut handle must lie inside D's KV (<= R) and leave P at least one prompt token to compute.
-    limit = min(r, len(prompt) - 1) // held.block_size
-    blocks = held.common_blocks(prompt, limit) if partial_allowed and limit > 0 else 0
+    limit = min(r, len(prompt) - 1) // held.block_size if partial_allowed else 0
+    # The reason names the first cause: a shorter prompt is `prompt_shorter` only while it agrees with S up
+    # to its last whole block (a regenerate, a truncated history; the generation prompt at its end may differ
+    # from what S holds there); one that differs earlier (a changed system prompt, an edit) diverged first.
+    whole = len(prompt) // held.block_size if len(prompt) < r else 0
+    common = held.common_blocks(prompt, max(limit, whole)) if max(limit, whole) > 0 else 0
+    reason = "prompt_shorter" if len(prompt) < r and common >= whole - 1 else "prefix_diverged"
+    blocks = min(common, limit)
     if blocks:
         return Verdict("partial", reason, blocks * held.block_size)
     return Verdict("full", reason, 0)

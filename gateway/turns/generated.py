@@ -6,14 +6,24 @@ The rendered prompt is cut at the tokenizer's special tokens (as `pieces.py` doe
 text of an answer D generated (same length, same 128-bit hash) is sent as its leading text, encoded, followed
 by D's ids for the answer. Every other piece is encoded as usual. The result is consistent turn after turn: the
 previous prompt ended with the same leading text (the template's assistant header), encoded the same way.
+
+Answers that called tools are kept under the key of their content and calls as parsed (`tools.calls_key`): the
+client sends them back as `tool_calls`, which the template re-renders from parsed JSON, not as D's text. An
+assistant message whose content and calls have a kept key is rendered as D's text instead (`substitutions`),
+and that text, which spans several pieces (<tool_call> is a token of its own), is sent as D's ids.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from hashlib import blake2b
+from typing import Any
 
+from gateway.errors import InvalidRequestError
 from gateway.store import Answer
 from gateway.turns.pieces import PieceEncoder, TokenIds
+from gateway.turns.tools import TOOL_BLOCK, calls_key, parse_generated, same_calls
 
 MAX_ANSWER_TOKENS = 32768        # kept per conversation; older answers fall back to their re-encoded text
 
@@ -37,17 +47,32 @@ def remember(answers: list[Answer], new: Answer) -> list[Answer]:
     return [*reversed(kept), new]
 
 
-def splice(pieces: PieceEncoder, text: str, answers: list[Answer]) -> TokenIds:
+def splice(pieces: PieceEncoder, text: str, answers: list[Answer],
+           spans: Sequence[tuple[str, list[int]]] = ()) -> TokenIds:
+    """`spans`: (D's text, D's ids) of substituted tool-call answers, in order; each is found in `text` and
+    sent as the ids (see `Substitutions.only_difference`)."""
     by_length: dict[int, dict[bytes, list[int]]] = {}
     for a in answers:
         by_length.setdefault(a.chars, {})[a.text_hash] = a.ids
+    ids: list[int] = []
+    pos = 0
+    for generated_text, generated_ids in spans:
+        at = text.index(generated_text, pos)
+        ids += _pieces(pieces, text[pos:at], by_length)
+        ids += generated_ids
+        pos = at + len(generated_text)
+    ids += _pieces(pieces, text[pos:], by_length)
+    return TokenIds(ids)
+
+
+def _pieces(pieces: PieceEncoder, text: str, by_length: dict[int, dict[bytes, list[int]]]) -> list[int]:
     ids: list[int] = []
     for i, part in enumerate(pieces.split(text)):
         if i & 1:
             ids.append(pieces.special_id(part))
         elif part:
             ids += _generated(pieces, part, by_length) or pieces.encode(part)
-    return TokenIds(ids)
+    return ids
 
 
 def _generated(pieces: PieceEncoder, piece: str, by_length: dict[int, dict[bytes, list[int]]]) -> list[int] | None:
@@ -56,3 +81,73 @@ def _generated(pieces: PieceEncoder, piece: str, by_length: dict[int, dict[bytes
             head = piece[:len(piece) - chars]
             return [*(pieces.encode(head) if head else ()), *ids]
     return None
+
+
+# -- answers that called tools --------------------------------------------------------------------------
+def tool_answer(ids: list[int], generated: str, content: str, tool_calls: list[dict[str, Any]]) -> Answer | None:
+    """D's ids as the answer the client got as `content` + `tool_calls`: only if D's text parses to exactly
+    those calls, and the content is its text outside the calls (streamed) or before them (not streamed)."""
+    calls = parse_generated(generated)
+    if calls is None or not same_calls(calls, tool_calls):
+        return None
+    outside, before = TOOL_BLOCK.sub("", generated), generated[:generated.find("<tool_call>")]
+    if content.strip() not in (outside.strip(), before.strip()):
+        return None
+    try:
+        chars, key = calls_key(content, tool_calls)
+    except (InvalidRequestError, KeyError, TypeError):
+        return None
+    return Answer(chars, key, list(ids))
+
+
+@dataclass
+class Substitutions:
+    messages: list[dict[str, Any]]              # the conversation with those assistant messages as D's text
+    spans: list[tuple[str, list[int]]]          # (D's text, D's ids), in message order
+
+    def only_difference(self, swapped: str, plain: str) -> bool:
+        """Whether `swapped` shows every span's text, in order, and is `plain` with only those places changed
+        (whatever the template rendered for the calls there): plain = s0 X1 s1 X2 ... sn, swapped = s0 T1 s1 ..."""
+        segments, pos = [], 0
+        for generated_text, _ in self.spans:
+            at = swapped.find(generated_text, pos)
+            if at < 0:
+                return False
+            segments.append(swapped[pos:at])
+            pos = at + len(generated_text)
+        last = swapped[pos:]
+        if not plain.startswith(segments[0]):
+            return False
+        pos = len(segments[0])
+        for segment in segments[1:]:
+            at = plain.find(segment, pos)
+            if at < 0:
+                return False
+            pos = at + len(segment)
+        return plain.endswith(last) and len(plain) - len(last) >= pos
+
+
+def substitutions(messages: list[dict[str, Any]], answers: list[Answer],
+                  decode: Callable[[list[int]], str]) -> Substitutions | None:
+    """Assistant messages whose content and tool calls are a kept answer's, as plain messages with D's text."""
+    kept = {(a.chars, a.text_hash): a.ids for a in answers}
+    out, spans = [], []
+    for message in messages:
+        ids = kept.get(_key(message)) if message.get("role") == "assistant" and message.get("tool_calls") else None
+        if ids is None:
+            out.append(message)
+            continue
+        text = decode(ids)
+        out.append({"role": "assistant", "content": text})
+        spans.append((text, ids))
+    return Substitutions(out, spans) if spans else None
+
+
+def _key(message: dict[str, Any]) -> tuple[int, bytes] | None:
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    try:
+        return calls_key(content if isinstance(content, str) else "", message["tool_calls"])
+    except (InvalidRequestError, KeyError, TypeError):
+        return None

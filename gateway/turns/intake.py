@@ -5,8 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.errors import InvalidRequestError, ModelNotFoundError
+from gateway.turns.context import COMPLETIONS_DEFAULT_MAX_TOKENS, ContextLimit, longest_token_chars
 from gateway.turns.request import Endpoint, TurnRequest
 from gateway.turns.render import Renderer
+from gateway.turns.tools import check_chat
 
 # Never forwarded: a client handle could point an engine at any host or another conversation's blocks.
 _STRIPPED = ("kv_transfer_params", "conversation_id", "session_id", "request_id")
@@ -14,8 +16,9 @@ _STRIPPED = ("kv_transfer_params", "conversation_id", "session_id", "request_id"
 
 class Intake:
     def __init__(self, renderer: Renderer, served_models: list[str], max_messages: int = 4096,
-                 history_tokens: str = "rendered") -> None:
+                 history_tokens: str = "rendered", max_model_len: int | None = None) -> None:
         self.renderer = renderer
+        self.context = ContextLimit(max_model_len, longest_token_chars(renderer.tokenizer) if max_model_len else 0)
         self.served_models = served_models
         self.max_messages = max_messages
         self.generated_history = history_tokens == "generated"
@@ -33,10 +36,16 @@ class Intake:
         if len(req.messages) > self.max_messages:
             raise InvalidRequestError(f"at most {self.max_messages} messages are accepted", param="messages")
         model = self.model_for(req.model)
+        check_chat(body)
         template = dict(tools=body.get("tools"), add_generation_prompt=req.add_generation_prompt,
                         continue_final_message=req.continue_final_message,
                         chat_template_kwargs=req.chat_template_kwargs)
-        ids = self.renderer.render_chat(body["messages"], **template)
+        # render_chat in two steps, so that a text far over the context length is refused before it is encoded
+        text = self.renderer.template(body["messages"], **template)
+        self.context.check_text(text, "messages")
+        ids = self.renderer.encode(text)
+        wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        self.context.check_tokens(len(ids), wanted, "messages")
         turn = self._turn("/v1/chat/completions", body, req, model, ids, request_id)
         if self.generated_history:
             turn.rerender = lambda answers: self.renderer.render_chat(body["messages"], answers=answers, **template)
@@ -44,7 +53,12 @@ class Intake:
 
     def completion(self, body: dict[str, Any], req: Any, request_id: str) -> TurnRequest:
         model = self.model_for(req.model)
-        return self._turn("/v1/completions", body, req, model, self.renderer.render_prompt(req.prompt), request_id)
+        if isinstance(req.prompt, str):
+            self.context.check_text(req.prompt, "prompt")
+        ids = self.renderer.render_prompt(req.prompt)
+        wanted = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        self.context.check_tokens(len(ids), wanted, "prompt")
+        return self._turn("/v1/completions", body, req, model, ids, request_id)
 
     @staticmethod
     def _turn(endpoint: Endpoint, body: dict[str, Any], req: Any, model: str, ids: list[int],

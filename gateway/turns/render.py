@@ -18,8 +18,9 @@ from typing import Any
 
 from gateway.errors import InvalidRequestError
 from gateway.store import Answer
-from gateway.turns.generated import answer, splice
+from gateway.turns.generated import answer, splice, substitutions, tool_answer
 from gateway.turns.pieces import DEFAULT_CACHE_TOKENS, PieceEncoder, TokenIds, exact_specials
+from gateway.turns.tools import template_calls
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # The gateway encodes on its event loop: a thread pool would only wait for cores the engines and the loop need
@@ -91,10 +92,25 @@ class Renderer:
                     **template: Any) -> list[int]:
         """`answers`: past answers to send as the ids D generated (history_tokens "generated"); needs the
         incremental encoder's cut at special tokens, else the text is encoded as usual."""
-        text = self.template(messages, **template)
         if answers and self.pieces is not None:
-            return splice(self.pieces, text, answers)
-        return self.encode(text)
+            return self._spliced(messages, answers, template)
+        return self.encode(self.template(messages, **template))
+
+    def _spliced(self, messages: list[dict[str, Any]], answers: list[Answer], template: dict[str, Any]) -> list[int]:
+        """Assistant messages that carry the tool calls D generated are rendered as D's text (the template's
+        re-rendering of the calls is not what D holds) and sent as D's ids, provided that is the only
+        difference from the plain rendering: a template that rewrites past answers, or renders other messages
+        differently once an assistant message has no tool_calls, keeps the plain rendering."""
+        text = self.template(messages, **template)
+        generated = substitutions(messages, answers, self.decode)
+        if generated:
+            try:
+                swapped = self.template(generated.messages, **template)
+            except InvalidRequestError:
+                swapped = None
+            if swapped is not None and generated.only_difference(swapped, text):
+                return splice(self.pieces, swapped, answers, generated.spans)
+        return splice(self.pieces, text, answers)
 
     def template(self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None,
                  add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -108,12 +124,16 @@ class Renderer:
             raise InvalidRequestError(f"the chat template could not render these messages: {exc}",
                                       param="messages") from None
 
-    def answer(self, output_ids: list[int], text: str) -> Answer | None:
+    def answer(self, output_ids: list[int], text: str,
+               tool_calls: list[dict[str, Any]] | None = None) -> Answer | None:
         """D's output as a reusable answer: only if its ids (without the end-of-turn token) decode to exactly
-        the text the client got (not so with reasoning split out of the content, for one)."""
+        the text the client got (not so with reasoning split out of the content, for one), or, when the client
+        got tool calls, to text whose calls parse to exactly those."""
         ids = list(output_ids)
         while ids and ids[-1] in self.special_ids:
             ids.pop()
+        if tool_calls:
+            return tool_answer(ids, self.decode(ids), text, tool_calls) if ids else None
         return answer(text, ids) if ids and text and self.decode(ids) == text else None
 
     def render_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -128,8 +148,16 @@ class Renderer:
 
 
 def normalize_message(message: dict[str, Any]) -> dict[str, Any]:
-    """As vLLM does for string-content templates: content parts → their texts joined by newlines."""
+    """As vLLM does for string-content templates: content parts → their texts joined by newlines; an
+    assistant's tool call arguments parsed from their JSON strings, an empty tool_calls list dropped."""
     content = message.get("content")
     if isinstance(content, list):
         content = "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    return {**message, "content": content if content is not None else ""}
+    out = {**message, "content": content if content is not None else ""}
+    if message.get("role") == "assistant" and "tool_calls" in message:
+        calls = template_calls(message["tool_calls"])
+        if calls is None:
+            del out["tool_calls"]
+        else:
+            out["tool_calls"] = calls
+    return out

@@ -24,6 +24,8 @@ def chunks(response: dict[str, Any], req: TurnRequest) -> list[dict[str, Any]]:
         if chat:
             message = choice.get("message") or {}
             piece["delta"] = {k: v for k, v in message.items() if v is not None}
+            if piece["delta"].get("tool_calls"):     # stream deltas carry each call's position
+                piece["delta"]["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
         else:
             piece["text"] = choice.get("text", "")
         if "token_ids" in choice:

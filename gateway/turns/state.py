@@ -109,7 +109,7 @@ class ConversationState:
         previous = start.record.answers if start.record else []
         if req.rerender is None or self.renderer is None:
             return []
-        new = self.renderer.answer(capture.output_ids, "".join(capture.text))
+        new = self.renderer.answer(capture.output_ids, "".join(capture.text), capture.tool_calls)
         return remember(previous, new) if new else previous
 
     def _verified_handle(self, capture: DecodeCapture) -> kv.Handle | None:

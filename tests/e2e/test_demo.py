@@ -1,7 +1,16 @@
+"""`pd-gateway demo` and the process-level first hour: the table, stopping on any signal, busy ports."""
+
+import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
+
+from tests.servers import free_port, stop_process
 
 pytestmark = pytest.mark.integration
 
@@ -14,3 +23,69 @@ def test_demo_prints_its_table_quickly():
     for row in rows[1:]:
         prompt, reused, computed = int(row[3]), int(row[4]), int(row[5])
         assert computed <= prompt - reused + 16       # only the new suffix (plus at most a block) on P
+    logs = Path(out.stdout.split("component logs: ")[1].split("/ ")[0])
+    assert {p.name for p in logs.glob("*.log")} == {"prefill.log", "decode.log", "gateway.log"}
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_demo_stops_its_children_on_any_signal(sig):
+    port = free_port()
+    demo = subprocess.Popen([sys.executable, "-m", "gateway", "demo", "--serve", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    children: list[int] = []
+    try:
+        for line in demo.stdout:
+            if line.startswith("serving on"):
+                break
+        children = children_of(demo.pid)
+        assert len(children) == 3
+        demo.send_signal(sig)
+        assert demo.wait(timeout=30) is not None
+        deadline = time.monotonic() + 10
+        while any(alive(c) for c in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(c) for c in children)
+        with socket.socket() as sock:
+            assert sock.connect_ex(("127.0.0.1", port)) != 0          # nothing holds the demo's port
+    finally:
+        stop_process(demo, signal.SIGKILL)
+        for pid in children:             # this test's own grandchildren, should the demo have left them
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_demo_and_serve_on_a_busy_port_say_so_in_one_line():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        demo = subprocess.run([sys.executable, "-m", "gateway", "demo", "--serve", "--port", str(port)],
+                              capture_output=True, text=True, timeout=60)
+        serve = subprocess.run([sys.executable, "-m", "gateway", "serve", "--prefill", "http://127.0.0.1:9",
+                                "--decode", "http://127.0.0.1:9", "--host", "127.0.0.1", "--port", str(port),
+                                "--health-interval-s", "60"], capture_output=True, text=True, timeout=60,
+                               env={**os.environ, "PDGW_LOG_LEVEL": "critical"})
+    for result, words in ((demo, f"port {port} is in use"), (serve, f"127.0.0.1:{port} is already in use")):
+        assert result.returncode == 1
+        assert words in result.stderr and "Traceback" not in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -3,6 +3,7 @@ hypothesis): whatever arrives, no 5xx caused by input, never a stack trace, ever
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -43,3 +44,28 @@ def test_any_input_gets_a_clean_answer(fuzz_stack, operations, data):
     if response.status_code >= 400:
         error = response.json()["error"]
         assert {"message", "type", "param", "code"} <= set(error)
+
+
+def _nested(depth: int, where: str) -> bytes:
+    deep = "[" * depth + "]" * depth
+    message = '{"role": "user", "content": "hi"}'
+    if where == "messages":
+        return f'{{"model": "demo", "max_tokens": 4, "messages": {deep}}}'.encode()
+    return f'{{"model": "demo", "max_tokens": 4, "metadata": {deep}, "messages": [{message}]}}'.encode()
+
+
+@pytest.mark.parametrize("where", ["messages", "extra_field"])
+@pytest.mark.parametrize("depth", [500, 1000, 100_000])
+def test_deep_nesting_is_a_client_fault(fuzz_stack, depth, where):
+    """1,000 levels once raised a RecursionError inside the JSON decoder (HTTP 500); 500 levels are fine."""
+    body = _nested(depth, where)
+    if len(body) > 65536:
+        body = body[:65536 - 64] + b"]}"      # still malformed deep JSON, under the stack's body limit
+    response = httpx.post(fuzz_stack.gateway.url + "/v1/chat/completions", content=body,
+                          headers={"Content-Type": "application/json"}, timeout=30)
+    assert "Traceback" not in response.text
+    if depth == 500 and where == "extra_field":
+        assert response.status_code == 200, response.text       # forwarded as sent, answered
+    else:
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["type"] == "invalid_request_error"

@@ -115,7 +115,9 @@ def test_unknown_route_is_openai_shaped(pd):
 
 def test_models_and_health(pd):
     assert [m.id for m in pd.client().models.list()] == ["demo"]
-    assert httpx.get(pd.gateway.url + "/ready").json()["ready"] is True
+    ready = httpx.get(pd.gateway.url + "/ready").json()
+    assert ready["ready"] is True
+    assert ready["store"] == "embedded"            # as the start-up report, the README and the demo call it
 
 
 def test_dead_engines_get_503_without_leaking_addresses():

@@ -63,6 +63,17 @@ def test_a_bad_set_up_fails_and_says_why(engines, tmp_path):
     assert report["reuse"].startswith("off")
 
 
+@pytest.mark.parametrize("strict", [[], ["--strict"]])
+def test_a_ttl_mismatch_and_swapped_urls_fail(engines, strict):
+    prefill, decode, _ = engines
+    ttl = check("--prefill", prefill.url, "--decode", decode.url, "--decoder-kv-blocks-ttl-s", "900", *strict)
+    assert ttl.returncode == 1 and "verdict  fail" in ttl.stdout, ttl.stdout
+    assert "decoder_kv_blocks_ttl 480 s but the gateway's --decoder-kv-blocks-ttl-s is 900 s" in ttl.stdout
+    swapped = check("--prefill", decode.url, "--decode", prefill.url, *strict)
+    assert swapped.returncode == 1 and "verdict  fail" in swapped.stdout, swapped.stdout
+    assert "swapped" in swapped.stdout
+
+
 def test_json_logs_with_the_report_and_one_line_per_turn(engines):
     prefill, decode, _ = engines
     gateway = start(["serve", "--prefill", prefill.url, "--decode", decode.url, "--log-format", "json"])

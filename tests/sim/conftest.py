@@ -16,6 +16,8 @@ P_LEG_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_en
                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
+TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--tool-call-style", "varied")
+
 # Every sim the suite uses, by name: started on first use, shared by all tests (each test resets what it uses).
 FLEET: dict[str, tuple[str, ...]] = {
     "p": ("--role", "prefill"),  # defaults: policy fail, threshold 64
@@ -33,6 +35,10 @@ FLEET: dict[str, tuple[str, ...]] = {
     "c_reasoning": ("--role", "colocated", "--reasoning", "--tokenizer", "builtin:demo-reasoning"),
     "c_noncanonical": ("--role", "colocated", "--non-canonical", "--output-tokens", "30:40"),
     "c_old": ("--role", "colocated", "--no-prompt-token-ids"),
+    # tools the model may call (vLLM's hermes parser), JSON that sometimes re-renders differently
+    "c_tools": ("--role", "colocated", *TOOL_FLAGS),
+    "p_tools": ("--role", "prefill", *TOOL_FLAGS),
+    "d_tools": ("--role", "decode", *TOOL_FLAGS),
 }
 
 

@@ -16,7 +16,7 @@ import redis
 
 from gateway.store import Conversation, ConversationKey, RedisConversationStore, StoreUnavailableError
 from tests.redis_server import redis_server_path
-from tests.servers import free_port
+from tests.servers import free_port, stop_process
 
 pytestmark = pytest.mark.integration
 HANDLE = {"remote_block_ids": [[1, 2, 3]], "remote_num_tokens": 40}
@@ -45,8 +45,7 @@ def redis_process(*args: str, config: str | None = None, port: int | None = None
         wait_for(lambda: _pings(port))
         yield port
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        stop_process(proc)
 
 
 def _pings(port: int) -> bool:

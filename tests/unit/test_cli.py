@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from gateway import cli, config
+from gateway.processes import free_port
 from gateway.config import Settings
 
 FIELDS = [f.name for f in msgspec.structs.fields(Settings)]
@@ -55,3 +56,31 @@ def test_invalid_configuration_fails_at_start_naming_the_setting(argv, words):
 def test_serve_without_engines_says_so():
     with pytest.raises(SystemExit, match="--prefill"):
         cli.main(["serve"])
+
+
+@pytest.mark.parametrize("argv", [[], ["-h"], ["--help"]])
+def test_help_lists_every_command_and_exits_0(argv, capsys):
+    cli.main(argv)                          # returns: exit status 0
+    out = capsys.readouterr().out
+    for command in ("serve", "check", "demo", "sim", "migrate", "hash-key"):
+        assert f"\n  {command} " in out
+    assert "--version" in out
+
+
+def test_version(capsys):
+    cli.main(["--version"])
+    assert capsys.readouterr().out.startswith("pd-gateway 0.")
+
+
+def test_an_unknown_command_fails_with_the_list():
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["serv"])
+    assert "unknown command 'serv'" in str(caught.value) and "migrate" in str(caught.value)
+
+
+def test_migrate_against_a_stopped_redis_is_one_line(capsys):
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["migrate", "--redis-url", f"redis://:secret@127.0.0.1:{free_port()}/0"])
+    message = str(caught.value)
+    assert message.startswith("pd-gateway migrate: the store at redis://") and "start Redis" in message
+    assert "\n" not in message and "secret" not in message

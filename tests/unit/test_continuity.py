@@ -23,6 +23,9 @@ def held() -> Fingerprint:
     (S[:3] + [0] * 30, "full", "prefix_diverged", 0),                  # diverges in the first block
     ([5] * 40, "full", "prefix_diverged", 0),
     (S[:4], "full", "prompt_shorter", 0),                              # one block, but P needs a token to compute
+    ([0] + S[1:13], "full", "prefix_diverged", 0),                     # changed system prompt, shorter: diverged
+    (S[:5] + [7] + S[6:13], "partial", "prefix_diverged", 4),          # shorter, but an edit came first
+    (S[:9] + [7, 7, 7, 7], "partial", "prompt_shorter", 8),            # only the tail differs: truncated history
 ])
 def test_verdicts(prompt, kind, reason, reused):
     verdict = check(prompt, held(), partial_allowed=True)
@@ -31,6 +34,11 @@ def test_verdicts(prompt, kind, reason, reused):
 
 def test_partial_needs_permission():
     assert check(S[:13], held(), partial_allowed=False).kind == "full"
+
+
+@pytest.mark.parametrize(("prompt", "reason"), [(S[:13], "prompt_shorter"), ([0] + S[1:13], "prefix_diverged")])
+def test_reason_names_the_first_cause_without_partial(prompt, reason):
+    assert check(prompt, held(), partial_allowed=False).reason == reason
 
 
 def test_partial_never_exceeds_held_tokens():

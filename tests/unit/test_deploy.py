@@ -5,7 +5,7 @@
   package dclint 3.1.0 (`schemas/compose.schema.json`).
 - Every command of our image parses with the real parsers (`gateway.cli`, `gateway.sim.cli`), every PDGW_*
   variable names a real setting with a valid value, and the URLs, ports and hosts agree across services.
-- deploy/vllm-serve.sh runs (with a stand-in `vllm`) and gives P and D the PROTOCOL.md §1 flags, with the
+- deploy/vllm-serve.sh runs (with a stand-in `vllm`) and gives P and D the docs/protocol.md §1 flags, with the
   TTLs the gateway uses.
 - The dashboard's JSON is well formed for Grafana and only queries metrics that exist.
 """

@@ -68,3 +68,48 @@ def test_docs_links_resolve():
         for target in re.findall(r"\]\(([^)#]+)\)", doc.read_text()):
             if "://" not in target:
                 assert (doc.parent / target).exists(), f"{doc.name}: {target}"
+
+
+# One answer on kv_load_failure_policy: `fail` on P and D. Sentences that recommend `recompute` for P (the
+# forms the docs once used): vLLM 0.32 never answers a read P declines under it (docs/protocol.md §1).
+_RECOMPUTE_ON_P = [
+    re.compile(r"\b(use|set|recommends?|recommended|prefer)\s+`?(kv_load_failure_policy:?\s*)?\"?recompute\"?`?"
+               r"\s+(on|for)\s+(the\s+)?(P|prefill)\b", re.I),
+    re.compile(r"\bP's\s+recommended\s+`?kv_load_failure_policy:?\s*recompute", re.I),
+    re.compile(r"\"kv_role\"\s*:\s*\"kv_producer\"[^}]*\"kv_load_failure_policy\"\s*:\s*\"recompute\"", re.I),
+]
+
+
+def recommends_recompute_on_p(text: str) -> bool:
+    flat = " ".join(text.split())
+    return any(pattern.search(flat) for pattern in _RECOMPUTE_ON_P)
+
+
+@pytest.mark.parametrize("sentence", [
+    "expired handles under `kv_load_failure_policy: fail` (use `recompute` on P), side-channel addresses",
+    "With P's recommended `kv_load_failure_policy:\nrecompute` that read becomes a local prefill",
+    "PROTOCOL.md §1 recommends `recompute` on P; on vLLM 0.32 a declined read",
+    """--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_producer","engine_id":"p",
+    "kv_load_failure_policy":"recompute"}'""",
+])
+def test_the_policy_check_catches_a_recommendation_of_recompute_on_p(sentence):
+    assert recommends_recompute_on_p(sentence)
+
+
+def test_no_doc_recommends_recompute_on_p():
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "deploy").glob("*"))]
+    offenders = [doc.name for doc in docs if doc.is_file() and recommends_recompute_on_p(doc.read_text())]
+    assert offenders == []
+    for doc in ("deployment.md", "protocol.md"):
+        assert re.search(r"`fail` on (\*\*)?both", (ROOT / "docs" / doc).read_text()), doc
+
+
+def test_protocol_keeps_the_section_numbers_code_cites():
+    headings = re.findall(r"^## (\d)\. ", (ROOT / "docs/protocol.md").read_text(), re.M)
+    assert headings == [str(n) for n in range(1, 8)]
+
+
+def test_first_hour_notes():
+    """What a new user tripped over (issue 12): the multi-turn benchmark's flag, Compose v2."""
+    assert "--send-conversation-id" in README and "--send-conversation-id" in (ROOT / "docs/deployment.md").read_text()
+    assert "Compose v2" in section(README, "Docker Compose")

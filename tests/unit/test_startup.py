@@ -12,9 +12,10 @@ KV = {"connector": "NixlConnector", "bidirectional": True}
 
 
 def engine(role="prefill", **kw) -> EngineReport:
-    policy = "fail"
+    kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
     defaults = dict(url=f"http://{role}:1", role=role, reachable=True, version="0.32.0", block_size=16,
-                    models=["m"], kv_transfer={**KV, "role": role, "failure_policy": policy}, parity="match")
+                    models=["m"], kv_transfer={**KV, "role": kv_role, "failure_policy": "fail",
+                                               "decoder_kv_blocks_ttl": 480.0}, parity="match")
     return EngineReport(**{**defaults, **kw})
 
 
@@ -32,6 +33,7 @@ def test_compare(got, verdict, detail):
 def findings(reports, **settings):
     s = Settings(**settings)
     return [*startup._reachability(reports), *startup._agreement(reports, s), *startup._transfer(reports),
+            *startup._roles(reports), *startup._decoder_ttl(reports, s),
             *startup._parity(reports, object(), [1]), *startup._store(s, True)]
 
 
@@ -47,7 +49,18 @@ def findings(reports, **settings):
     ([engine(), engine("decode", kv_transfer={**KV, "bidirectional": False, "failure_policy": "fail"})], {},
      "fail", "bidirectional_kv_xfer is off"),
     ([engine(kv_transfer=None), engine("decode")], {}, "warn", "VLLM_SERVER_DEV_MODE"),
-    ([engine(kv_transfer={**KV, "failure_policy": "recompute"}), engine("decode")], {}, "warn", "recommended"),
+    ([engine(kv_transfer={**KV, "role": "kv_producer", "failure_policy": "recompute"}), engine("decode")], {},
+     "fail", "kv_load_failure_policy 'recompute'"),
+    ([engine(), engine("decode", kv_transfer={**KV, "role": "kv_consumer", "failure_policy": "recompute"})], {},
+     "warn", "kv_load_failure_policy 'recompute'"),
+    ([engine(kv_transfer={**KV, "role": "kv_producer", "bidirectional": False, "failure_policy": "fail"}),
+      engine("decode")], {}, "fail", "bidirectional_kv_xfer is off on http://prefill:1"),
+    ([engine(), engine("decode")], {"decoder_kv_blocks_ttl_s": 900}, "fail", "decoder_kv_blocks_ttl 480 s"),
+    ([engine(), engine("decode", kv_transfer={**KV, "role": "kv_consumer", "failure_policy": "fail"})],
+     {"decoder_kv_blocks_ttl_s": 900}, "fail", "decoder_kv_blocks_ttl 480 s"),       # absent: vLLM's default
+    ([engine(kv_transfer={**KV, "role": "kv_consumer", "failure_policy": "fail"}),
+      engine("decode", kv_transfer={**KV, "role": "kv_producer", "failure_policy": "fail"})], {}, "fail", "swapped"),
+    ([engine(kv_transfer={**KV, "role": "kv_both", "failure_policy": "fail"}), engine("decode")], {}, None, []),
     ([engine(), engine("decode", parity="mismatch", parity_detail="first difference at token 3")], {},
      "fail", "token 3"),
     ([engine(parity="unknown"), engine("decode")], {}, "warn", "template parity unknown"),
@@ -61,7 +74,7 @@ def test_findings(reports, settings, level, words):
 
 
 def test_verdict_is_the_worst_finding():
-    report = startup.StartupReport([engine()], "embedded", True, ["m"], 16, "on", [])
+    report = startup.StartupReport([engine()], "embedded", True, ["m"], 16, 32768, "on", [])
     assert report.verdict == "ok"
     report.findings = [startup.Finding("warn", "a"), startup.Finding("fail", "b")]
     assert report.verdict == "fail"

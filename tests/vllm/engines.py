@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from tests.servers import stop_process
+
 
 Role = Literal["prefill", "decode", "colocated"]
 
@@ -124,12 +126,7 @@ class Engine:
         """SIGTERM by PID; vLLM's API server takes its engine core and worker down with it."""
         if self.proc.poll() is None:
             children = _tree(self.proc.pid)[1:]
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=STOP_TIMEOUT_S)
+            stop_process(self.proc, timeout_s=STOP_TIMEOUT_S)
             for pid in children:                  # anything left of this server's own tree
                 try:
                     os.kill(pid, signal.SIGKILL)
