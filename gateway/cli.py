@@ -30,6 +30,7 @@ HELP = {
     "stream_handle_policy": "when D streams without its handle: miss (count it) or buffer (non-streamed D leg, re-streamed)",
     "history_tokens": "generated (default: past answers as D's own ids) or rendered (as their text, re-encoded)",
     "decode_load_bound": "outstanding requests above which a conversation leaves its D",
+    "reuse_policy": "cost: send D's handle only where P reading it beats recomputing (learned rates); always",
     "prefill_affinity": "prefer the P that prefilled the conversation's last turn (its prefix cache holds that prompt)",
     "prefill_affinity_slack_tokens": "keep that P while its queued prompt tokens exceed the least loaded P's by at most this",
     "pd_headers": "send X-PD-Plan / X-PD-Reason / X-PD-Reused-Tokens",

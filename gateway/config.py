@@ -31,6 +31,7 @@ MASK = "***"
 
 StreamHandlePolicy = Literal["miss", "buffer"]
 HistoryTokens = Literal["rendered", "generated"]
+ReusePolicy = Literal["cost", "always"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 LogFormat = Literal["text", "json"]
 TracingMode = Literal["off", "console", "otlp"]
@@ -66,6 +67,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stream_handle_policy: StreamHandlePolicy = "miss"
     history_tokens: HistoryTokens = "generated"    # keeps D's KV when answers re-tokenize otherwise (vllm-findings)
     decode_load_bound: PositiveInt = 64            # outstanding requests above which affinity yields
+    reuse_policy: ReusePolicy = "cost"             # "cost": send D's handle only where reading beats recomputing
     prefill_affinity: bool = True                  # prefer the P that prefilled the conversation's last turn
     prefill_affinity_slack_tokens: int = 2048      # ... while within this many queued prompt tokens of the least loaded
     pd_headers: bool = True                        # X-PD-Plan / X-PD-Reason / X-PD-Reused-Tokens

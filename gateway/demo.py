@@ -130,7 +130,8 @@ def run(args: argparse.Namespace, logs: Path, servers: list[Server]) -> None:
     decode = start(["sim", "--role", "decode", "--engine-id", "demo-d", *sim], log_dir=logs, name="decode")
     servers.append(decode)
     gateway = start(["serve", "--prefill", prefill.url, "--decode", decode.url, "--tokenizer", args.tokenizer,
-                     "--log-level", "warning"], port=args.port if args.serve else 0, log_dir=logs, name="gateway")
+                     "--log-level", "warning"],
+                    port=args.port if args.serve else 0, log_dir=logs, name="gateway")
     servers.append(gateway)
     print(f"gateway {gateway.url}  prefill {prefill.url}  decode {decode.url}  store: embedded\n")
     print_table(asyncio.run(script(gateway, prefill)))

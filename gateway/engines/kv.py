@@ -48,6 +48,12 @@ class Handle:
         return None
 
     @property
+    def producer_cached_tokens(self) -> int | None:
+        """P's own prefix-cache hits for the prompt it prefilled, when P reports them in its handle (vLLM >= 0.31)."""
+        value = self.wire.get("remote_prefill_cached_tokens")
+        return value if isinstance(value, int) and value >= 0 else None
+
+    @property
     def single_group(self) -> bool:
         """Cutting a handle is exact only for one KV-cache group of full attention (§4)."""
         groups = self.block_groups

@@ -1,21 +1,22 @@
 """Whether reading a conversation's KV from D pays, against P computing it: the cost model for "reuse only where
-it pays" (issue 17). Pure; not wired into turn planning yet (the planner will call `choose` after continuity has
-said which handle it may send).
+it pays" (issue 17). Pure; `plan.by_cost` calls `choose` after continuity has said which handle it may send, with
+the rates `rates.py` learns.
 
 What a turn with D's handle costs, on vLLM (measured on an H200, bench/GPU-RESULTS.md):
 - P takes its own prefix-cache hits first and loads only the rest of the handle's tokens from D; so with a handle
   for R tokens of which P's cache holds `p_cached`, P reads R - p_cached tokens over NIXL, and without a handle P
   computes those same tokens itself. The new suffix is computed in both cases and cancels out.
-- Reading costs bytes_per_token / transfer rate per token (plus a fixed per-read cost: handshake, notification);
-  computing costs 1 / prefill rate per token. Both are about linear in the tokens, so the cheaper one is best for
-  all of them: reading only a prefix of the missing part (a truncated handle) never beats both ends, and the
-  choices are read (the whole handle: `read_all` when P's cache is cold, `read_missing` when it holds part) or
-  no handle (`recompute`).
+- Reading costs 1 / transfer rate per token (NIXL's bytes/s over the KV bytes per token; plus a fixed per-read
+  cost: handshake, notification); computing costs 1 / prefill rate per token. Both are about linear in the
+  tokens, so the cheaper one is best for all of them: reading only a prefix of the missing part (a truncated
+  handle) never beats both ends, and the choices are read (the whole handle: `read_all` when P's cache is cold,
+  `read_missing` when it holds part) or no handle (`recompute`).
 - For that 2.8 B model (36 KiB per token, 63k tokens/s prefill) reading pays above about 2.3 GB/s: it did at
   10.8 GB/s (CUDA IPC, blocks of 128) and did not at 1.6 GB/s (CUDA IPC, blocks of 16) or 0.28 GB/s (TCP).
 
-Rates are learned per P-D pair from what vLLM exports (`vllm:nixl_bytes_transferred` / `vllm:nixl_xfer_time_seconds`
-deltas) or from the legs' timings, with `Rate`.
+Rates are learned per P-D pair from the P legs' timings (`rates.py`, with `Rate`), in tokens per second, so the
+KV bytes per token cancel out; vLLM's `vllm:nixl_bytes_transferred` / `vllm:nixl_xfer_time_seconds` give the same
+in bytes (divide by the bytes per token).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class Choice(StrEnum):
 class CostReason(StrEnum):
     READ_FASTER = "read_faster"
     RECOMPUTE_FASTER = "recompute_faster"
-    P_CACHE_HOLDS_HISTORY = "p_cache_holds_history"   # nothing to read: a handle would only pin D's blocks
+    P_CACHE_HOLDS_HISTORY = "p_cache_holds_history"   # nothing to read, expected: the handle goes along anyway
     RATE_UNKNOWN = "rate_unknown"                     # no transfer seen on this pair yet: read, and learn
     NOTHING_TO_REUSE = "nothing_to_reuse"
 
@@ -44,9 +45,8 @@ DEFAULT_MARGIN = 0.1        # read only when it is at least 10% faster: a learne
 @dataclass(frozen=True)
 class PairCosts:
     """What is known about one P-D pair and P."""
-    transfer_bytes_per_s: float | None      # NIXL's rate when P reads D's KV; None before the first transfer
-    bytes_per_token: float                  # KV bytes per token (layers x KV heads x head dim x 2 x dtype size)
-    prefill_tokens_per_s: float             # P's prefill rate
+    transfer_tokens_per_s: float | None     # tokens/s when P reads D's KV; None before the first transfer
+    prefill_tokens_per_s: float | None      # P's prefill rate; None before P's first prefill was timed
     read_overhead_s: float = 0.0            # fixed cost of a read (handshake, notification), if measured
 
 
@@ -67,13 +67,16 @@ def choose(costs: PairCosts, reusable_tokens: int, p_cached_tokens: int, *,
     if reusable_tokens <= 0:
         return Decision(Choice.RECOMPUTE, CostReason.NOTHING_TO_REUSE, 0, 0, 0.0, 0.0)
     missing = max(0, reusable_tokens - max(0, p_cached_tokens))
-    compute_s = missing / costs.prefill_tokens_per_s
     read_choice = Choice.READ_MISSING if missing < reusable_tokens else Choice.READ_ALL
     if missing == 0:
-        return Decision(Choice.RECOMPUTE, CostReason.P_CACHE_HOLDS_HISTORY, 0, 0, 0.0, 0.0)
-    if not costs.transfer_bytes_per_s:
-        return Decision(read_choice, CostReason.RATE_UNKNOWN, reusable_tokens, missing, None, compute_s)
-    read_s = missing * costs.bytes_per_token / costs.transfer_bytes_per_s + costs.read_overhead_s
+        # Keep the handle all the same: vLLM loads nothing P's cache holds, and if the estimate is wrong (P's
+        # cache evicted the history, or has prefix caching off) the handle saves a whole recompute.
+        return Decision(Choice.READ_MISSING, CostReason.P_CACHE_HOLDS_HISTORY, reusable_tokens, 0, 0.0, 0.0)
+    if not costs.transfer_tokens_per_s or not costs.prefill_tokens_per_s:
+        compute = missing / costs.prefill_tokens_per_s if costs.prefill_tokens_per_s else 0.0
+        return Decision(read_choice, CostReason.RATE_UNKNOWN, reusable_tokens, missing, None, compute)
+    compute_s = missing / costs.prefill_tokens_per_s
+    read_s = missing / costs.transfer_tokens_per_s + costs.read_overhead_s
     if read_s * (1 + margin) < compute_s:
         return Decision(read_choice, CostReason.READ_FASTER, reusable_tokens, missing, read_s, compute_s)
     return Decision(Choice.RECOMPUTE, CostReason.RECOMPUTE_FASTER, 0, 0, read_s, compute_s)

@@ -13,6 +13,7 @@ from typing import Literal
 
 from gateway.engines.kv import Handle
 from gateway.turns.continuity import Fingerprint, check
+from gateway.turns.cost import CostReason, PairCosts, choose
 
 
 class PlanKind(StrEnum):
@@ -39,6 +40,7 @@ class Reason(StrEnum):
     HANDLE_NOT_STREAMED = "handle_not_streamed"
     MODEL_CHANGED = "model_changed"
     HANDLE_SHAPE = "handle_shape"
+    RECOMPUTE_FASTER = "recompute_faster"           # the cost plan: P computes the history faster than it reads it
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,22 @@ def first_plan(prompt: list[int], claim: Claim) -> Plan:
     if not claim.same_model:
         return full(Reason.MODEL_CHANGED, release=claim.handle)
     return plan_with_handle(prompt, claim.held, claim.handle)
+
+
+# -- whether reading pays (issue 17) ------------------------------------------------------------------------
+def by_cost(plan: Plan, costs: PairCosts, p_cached_tokens: int) -> Plan:
+    """The first plan, or no handle when reading D's KV would not pay (`cost.choose`): P computes the history
+    faster than it reads it. The unused handle is released. Until a rate is known the handle is kept: P reads,
+    and the rates are learned."""
+    if plan.handle is None:
+        return plan
+    # P's cache expected to hold it all: P then loads nothing either way, so decide for the case where the
+    # estimate is wrong (prefix caching off, evicted), in which P lacks the whole history.
+    expected = p_cached_tokens if p_cached_tokens < plan.reused_tokens else 0
+    decision = choose(costs, plan.reused_tokens, expected)
+    if decision.handle_tokens or decision.reason is CostReason.NOTHING_TO_REUSE:
+        return plan
+    return full(Reason.RECOMPUTE_FASTER, release=plan.handle)
 
 
 # -- every later change -------------------------------------------------------------------------------------

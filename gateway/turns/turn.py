@@ -33,6 +33,7 @@ from gateway.turns.capture import DecodeCapture
 from gateway.turns.legs import decode_body, prefill_body, prompt_ids_of
 from gateway.turns.lookup import How
 from gateway.turns.plan import Leg, Plan, Reason, Replan, Setback
+from gateway.turns.rates import PrefillTiming, Rates
 from gateway.turns.release import HandleReleaser
 from gateway.turns.request import TurnRequest
 from gateway.turns.restream import restream
@@ -93,6 +94,7 @@ class TurnRunner:
         self.state, self.calls, self.releaser = state, calls, releaser
         self.metrics, self.settings, self.tracing = metrics, settings, tracing
         self.admission = Admission(settings.max_concurrent_turns, settings.max_queued_prompt_tokens)
+        self.rates = Rates()         # what the P legs taught of the engines' speeds, for the cost plan
 
     async def run(self, req: TurnRequest, session: ConversationKey | None, tenant: str = DEFAULT_TENANT) -> TurnReply:
         turn = Turn(req, session, self.admission.admit(len(req.prompt_ids)), time.perf_counter(),
@@ -143,11 +145,13 @@ class TurnRunner:
     async def _legs(self, turn: Turn) -> TurnReply:
         """D is chosen first (its holder decides whether a handle is usable at all), then P runs, then D."""
         turn.decode = self._pick(turn, "decode")
+        prefill = self._weigh(turn)      # the cost plan needs its P: picked now, used by the first P leg
         leg: Leg = "prefill"
         while True:
             try:
                 if leg == "prefill":
-                    await self._prefill_leg(turn)
+                    chosen, prefill = prefill, None
+                    await self._prefill_leg(turn, chosen)
                     leg = "decode"
                 else:
                     return await self._decode_leg(turn)
@@ -158,9 +162,9 @@ class TurnRunner:
                 if setback.leg == "decode" and step.blame:
                     turn.decode = self._pick(turn, "decode")
 
-    async def _prefill_leg(self, turn: Turn) -> None:
+    async def _prefill_leg(self, turn: Turn, chosen: Engine | None = None) -> None:
         began = time.perf_counter()
-        turn.prefill = self._pick(turn, "prefill")
+        turn.prefill = chosen or self._pick(turn, "prefill")
         handle = turn.plan.handle
         # P reading D's KV must prefill the verified ids: shown by P's echo, unless P is proven to use them
         confirm = handle is not None and not pinned_ids_proven(turn.prefill)
@@ -168,6 +172,7 @@ class TurnRunner:
         # vLLM can park a P request whose read of D's blocks it declined (docs/protocol.md §1): a leg that
         # carries a handle gets a short deadline, then P is redone without it, on any P.
         timeout = self.settings.prefill_handle_timeout_s if handle else self.settings.prefill_timeout_s
+        sent = time.perf_counter()
         response = await self.calls.leg("prefill", turn.prefill, self.client.post_json(
             turn.prefill.url, turn.req.endpoint, body, timeout_s=timeout, headers=self._headers(turn, "prefill"),
             decode=turn.req.decode_answer, on_sent=turn.req.clock.prefill_out, on_answer=turn.req.clock.prefill_in),
@@ -176,6 +181,7 @@ class TurnRunner:
             log.warning("parity violation on %s: P's prompt differs from the rendered one", turn.req.request_id)
             raise LegSetback("prefill", Setback.PARITY, turn.prefill, UpstreamError("prefill parity"))
         turn.prefill_handle = kv.peek(response)
+        self._learn(turn, handle, time.perf_counter() - sent)
         turn.ticket.prefilled()
         self._observe("prefill", began)
 
@@ -250,6 +256,30 @@ class TurnRunner:
             turn.ticket.close()
             if not recorded:
                 await _shielded(self._abandon(turn))
+
+    # -- the cost plan (issue 17): read D's KV only where it pays -----------------------------------------------
+    def _weigh(self, turn: Turn) -> Engine | None:
+        """Under `reuse_policy: cost`, pick P now and let `plan.by_cost` keep or drop the handle for that P."""
+        record = turn.start.record if turn.start else None
+        if turn.plan.handle is None or record is None or self.settings.reuse_policy != "cost":
+            return None
+        prefill = self._pick(turn, "prefill")
+        warm = self.rates.warm_tokens(prefill.url, record.prefill_engine, record.held_tokens)
+        turn.plan = plans.by_cost(turn.plan, self.rates.costs(prefill.url, record.decode_engine), warm)
+        if turn.plan.release:
+            self.releaser.release(turn.plan.release, turn.plan.reason.value)
+        return prefill
+
+    def _learn(self, turn: Turn, handle: kv.Handle | None, seconds: float) -> None:
+        """One P leg's timing, for the rates the cost plan weighs."""
+        record = turn.start.record if turn.start else None
+        previous, held, holder = (record.prefill_engine, record.held_tokens, record.decode_engine) if record \
+            else ("", 0, "")
+        reported = turn.prefill_handle.producer_cached_tokens if turn.prefill_handle else None
+        self.rates.observe(PrefillTiming(
+            turn.prefill.url, holder if handle else "", len(turn.req.prompt_ids),
+            (handle.num_tokens or 0) if handle else 0, reported,
+            self.rates.warm_tokens(turn.prefill.url, previous, held, trusted=False), seconds))
 
     # -- outcome -------------------------------------------------------------------------------------------
     async def _record(self, turn: Turn, capture: DecodeCapture) -> None:

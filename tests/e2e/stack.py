@@ -80,7 +80,8 @@ def stack(*, sim: list[str] = (), decode: list[str] = ("--stream-kv-params",), g
         p = [launch([*common, "--role", "prefill", "--engine-id", f"p{i}"]) for i in range(prefills)]
         d = [launch([*common, "--role", "decode", "--engine-id", f"d{i}", *decode]) for i in range(decodes)]
         base = launch([*common, "--role", "colocated", "--engine-id", "baseline"])
-        args = ["serve", "--tokenizer", tokenizer, "--health-interval-s", "0.5", *gateway]
+        # these tests check reuse itself: `always`; the cost plan is tested on timed sims (test_cost_plan.py)
+        args = ["serve", "--tokenizer", tokenizer, "--health-interval-s", "0.5", "--reuse-policy", "always", *gateway]
         for server in p:
             args += ["--prefill", server.url]
         for server in d:

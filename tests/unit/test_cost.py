@@ -12,7 +12,7 @@ GBPS = 1e9
 
 
 def costs(rate: float | None, overhead: float = 0.0) -> PairCosts:
-    return PairCosts(transfer_bytes_per_s=rate, bytes_per_token=KV_BYTES, prefill_tokens_per_s=PREFILL,
+    return PairCosts(transfer_tokens_per_s=rate / KV_BYTES if rate else None, prefill_tokens_per_s=PREFILL,
                      read_overhead_s=overhead)
 
 
@@ -24,9 +24,10 @@ def costs(rate: float | None, overhead: float = 0.0) -> PairCosts:
     (0.28 * GBPS, 32_000, 0, 0.0, Choice.RECOMPUTE, CostReason.RECOMPUTE_FASTER, 0),
     # at the break-even rate (36 KiB x 63k tokens/s = 2.32 GB/s) the margin keeps the handle away
     (2.32 * GBPS, 32_000, 0, 0.0, Choice.RECOMPUTE, CostReason.RECOMPUTE_FASTER, 0),
-    # P's cache holds the whole history: a handle would read nothing (vLLM takes local hits first)
-    (10.8 * GBPS, 32_000, 32_000, 0.0, Choice.RECOMPUTE, CostReason.P_CACHE_HOLDS_HISTORY, 0),
-    (0.28 * GBPS, 32_000, 40_000, 0.0, Choice.RECOMPUTE, CostReason.P_CACHE_HOLDS_HISTORY, 0),
+    # P's cache holds the whole history: the handle reads nothing (vLLM takes local hits first) and goes along,
+    # so that a wrong estimate costs no recompute
+    (10.8 * GBPS, 32_000, 32_000, 0.0, Choice.READ_MISSING, CostReason.P_CACHE_HOLDS_HISTORY, 0),
+    (0.28 * GBPS, 32_000, 40_000, 0.0, Choice.READ_MISSING, CostReason.P_CACHE_HOLDS_HISTORY, 0),
     # P's cache holds the last prompt, not the last answer: the handle reads only the missing 2k tokens
     (10.8 * GBPS, 32_000, 30_000, 0.0, Choice.READ_MISSING, CostReason.READ_FASTER, 2_000),
     # a few missing tokens: a fixed cost per read outweighs computing them
@@ -79,3 +80,8 @@ def test_a_large_transfer_weighs_more_than_a_tiny_one():
 def test_rate_weight_is_checked():
     with pytest.raises(ValueError):
         Rate(weight=0)
+
+
+def test_unknown_prefill_rate_reads_and_learns():
+    d = choose(PairCosts(transfer_tokens_per_s=1e6, prefill_tokens_per_s=None), 32_000, 0)
+    assert (d.choice, d.reason) == (Choice.READ_ALL, CostReason.RATE_UNKNOWN)

@@ -6,7 +6,9 @@ import pytest
 from gateway.engines import kv
 from gateway.engines.kv import Handle
 from gateway.turns.continuity import Fingerprint
-from gateway.turns.plan import Claim, PlanKind, Reason, Setback, first_plan, full, plan_with_handle, replan
+from gateway.turns.cost import PairCosts
+from gateway.turns.plan import (Claim, PlanKind, Reason, Setback, by_cost, first_plan, full, plan_with_handle,
+                                 replan)
 
 BS = 4
 S = list(range(50, 70))
@@ -105,3 +107,40 @@ def test_replan(plan, leg, setback, reason, next_leg, blame, costs_retry):
     assert (step.plan.reason, step.next_leg, step.blame, step.costs_retry) == (reason, next_leg, blame, costs_retry)
     if step.plan.reason != plan.reason:
         assert step.plan.kind == PlanKind.FULL and step.plan.handle is None
+
+
+# -- the cost plan: keep or drop the handle by what reading pays -----------------------------------------------
+FAST, SLOW = 1e6, 1e3           # tokens/s when P reads D's KV
+PREFILL = 1e4                   # tokens/s when P computes
+
+
+@pytest.mark.parametrize(("transfer", "prefill", "p_cached", "kind", "reason"), [
+    (FAST, PREFILL, 0, PlanKind.REUSE, Reason.CONTINUOUS),                  # reading 100x faster: keep it
+    (SLOW, PREFILL, 0, PlanKind.FULL, Reason.RECOMPUTE_FASTER),             # reading 10x slower: drop it
+    (None, PREFILL, 0, PlanKind.REUSE, Reason.CONTINUOUS),                  # no read seen yet: read, and learn
+    (SLOW, None, 0, PlanKind.REUSE, Reason.CONTINUOUS),                     # no prefill timed yet: the same
+    (FAST, PREFILL, 19, PlanKind.REUSE, Reason.CONTINUOUS),                 # P's cache holds it all: decided
+    (SLOW, PREFILL, 19, PlanKind.FULL, Reason.RECOMPUTE_FASTER),            # ... as if it held none
+    (SLOW, PREFILL, 12, PlanKind.FULL, Reason.RECOMPUTE_FASTER),            # P lacks 7: computing them is faster
+    (FAST, PREFILL, 12, PlanKind.REUSE, Reason.CONTINUOUS),                 # ... reading them is faster
+])
+def test_by_cost(transfer, prefill, p_cached, kind, reason):
+    first = plan_with_handle(S + [1], Fingerprint.of(S, 19, BS), handle(19))
+    plan = by_cost(first, PairCosts(transfer_tokens_per_s=transfer, prefill_tokens_per_s=prefill), p_cached)
+    assert (plan.kind, plan.reason) == (kind, reason)
+    if kind is PlanKind.FULL:     # the claimed handle is freed like any other unused one
+        assert plan.handle is None and plan.release == first.handle and plan.reused_tokens == 0
+    else:
+        assert plan == first
+
+
+def test_by_cost_keeps_a_partial_plans_cut_handle_and_releases_it_when_dropped():
+    first = plan_with_handle(S[:10] + [0] * 10, Fingerprint.of(S, 19, BS), handle(19))
+    assert by_cost(first, PairCosts(FAST, PREFILL), 0) == first
+    dropped = by_cost(first, PairCosts(SLOW, PREFILL), 0)
+    assert dropped.reason == Reason.RECOMPUTE_FASTER and dropped.release == first.handle
+
+
+def test_by_cost_leaves_plans_without_a_handle_alone():
+    plan = full(Reason.FIRST_TURN)
+    assert by_cost(plan, PairCosts(SLOW, PREFILL), 0) is plan

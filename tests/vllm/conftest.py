@@ -129,7 +129,7 @@ def free_gateway_rendered(engines: Engines, free_model_dir: Path) -> Iterator[Se
 def _gateway(prefill: Engine, decode: Engine, model: Path, *flags: str) -> Iterator[Server]:
     server = start(["serve", "--tokenizer", str(model), "--prefill", prefill.url, "--decode", decode.url,
                     "--decoder-kv-blocks-ttl-s", str(PIN_TTL_S), "--handle-ttl-margin-s", str(HANDLE_TTL_MARGIN_S),
-                    "--health-interval-s", "1", *flags])
+                    "--health-interval-s", "1", "--reuse-policy", "always", *flags])
     try:
         yield server
     finally:

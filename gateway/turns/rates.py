@@ -1,0 +1,117 @@
+"""What the gateway has learned of its engines' speeds, for the cost plan (`cost.py`): per P its prefill rate, per
+P-D pair the rate at which P reads that D's KV. Fed after every successful P leg from the leg's own timing; in
+memory, per gateway process (a restart, or another replica, learns again within a few turns).
+
+A P leg takes about computed / prefill rate + read / transfer rate, plus a small fixed part (HTTP, P's one
+decode step) that the rates absorb. A leg that read nothing teaches P's prefill rate; a leg that read teaches the
+pair's transfer rate from what is left of its time after the computed part at the prefill rate already learned.
+Rates are in tokens per second, so the KV bytes per token cancel out and need no setting.
+
+Which tokens P computed and which it read: P's own prefix-cache hits come first (vLLM takes local hits before
+loading), then the handle's tokens beyond them, then the rest. The hits are the gateway's estimate
+(`warm_tokens`: the previous turn's P still holds the previous turn's prompt), checked against what P reports in
+its handle (`remote_prefill_cached_tokens`, vLLM >= 0.31 and the simulator) on legs without a handle. On a leg
+that read, the report is not used: vLLM may count the tokens it loaded as cached too (the request's
+`num_cached_tokens` includes external ones), which would hide the read. Errors of the estimate there (a P that
+still holds an older prompt) overstate the read and so the transfer rate: they lean towards reading, as
+`always` does, never towards a recompute that does not pay. The fixed part of a leg leans the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.turns.cost import PairCosts, Rate
+
+# vLLM's connector skips a read of fewer tokens than its recompute threshold (64 by default with bidirectional
+# transfer) and computes them instead: such a leg says nothing about the transfer rate.
+MIN_READ_TOKENS = 64
+_READ_SEEN_S = 0.005    # beyond twice the expected compute time, this much more means a read happened
+_SHORTEST_S = 1e-4      # a read hidden in the timing noise: "very fast", not "unknown"
+
+
+@dataclass(frozen=True)
+class PrefillTiming:
+    """One P leg, as the gateway saw it."""
+    prefill: str                 # P's URL
+    holder: str                  # the D whose KV the handle named ("" without a handle)
+    prompt_tokens: int
+    handle_tokens: int           # tokens the handle covered (0: no handle)
+    cached_tokens: int | None    # P's own prefix-cache hits as P reported them (None: not reported)
+    expected_cached: int         # the gateway's untrusted estimate of them (`warm_tokens`)
+    seconds: float
+
+
+def split(prompt_tokens: int, handle_tokens: int, cached_tokens: int) -> tuple[int, int]:
+    """(tokens P read from D, tokens P computed). P always computes the last prompt token itself."""
+    cached = max(0, min(cached_tokens, prompt_tokens - 1))
+    read = max(0, min(handle_tokens, prompt_tokens - 1) - cached)
+    return read, max(1, prompt_tokens - cached - read)
+
+
+class Rates:
+    def __init__(self, weight: float = 0.2) -> None:
+        self.weight = weight
+        self._prefill: dict[str, Rate] = {}
+        self._transfer: dict[tuple[str, str], Rate] = {}
+        self._cold: set[str] = set()    # Ps whose cache last held far less than estimated (evicted, or off)
+
+    def observe(self, leg: PrefillTiming) -> None:
+        reported = leg.cached_tokens if leg.handle_tokens == 0 else None    # see the module's docstring
+        self._check_estimate(leg.prefill, reported, leg.expected_cached)
+        cached = reported if reported is not None else self._trusted(leg.prefill, leg.expected_cached)
+        read, computed = split(leg.prompt_tokens, leg.handle_tokens, cached)
+        prefill_rate = self.prefill_rate(leg.prefill)
+        if read == 0 and leg.handle_tokens and self._took_a_read(leg, computed, prefill_rate):
+            self._cold.add(leg.prefill)          # P's cache did not hold the history after all: P read it
+            read, computed = split(leg.prompt_tokens, leg.handle_tokens, 0)
+        if read == 0:
+            self._rate(self._prefill, leg.prefill).observe(computed, leg.seconds)
+            return
+        if read < MIN_READ_TOKENS or prefill_rate is None:
+            return                       # cannot tell the read's share of the time yet
+        read_s = max(_SHORTEST_S, leg.seconds - computed / prefill_rate)
+        self._rate(self._transfer, (leg.prefill, leg.holder)).observe(read, read_s)
+
+    @staticmethod
+    def _took_a_read(leg: PrefillTiming, computed: int, prefill_rate: float | None) -> bool:
+        """A leg with a handle, expected to read nothing (P's cache warm), that took far longer than computing
+        its new part: P's cache was cold (evicted, prefix caching off) and P read the history from D. P's report
+        cannot tell on such a leg (it may count loaded tokens as cached), the time can."""
+        return prefill_rate is not None and leg.seconds > 2 * computed / prefill_rate + _READ_SEEN_S
+
+    def costs(self, prefill: str, holder: str) -> PairCosts:
+        transfer = self._transfer.get((prefill, holder))
+        return PairCosts(transfer_tokens_per_s=transfer.value if transfer else None,
+                         prefill_tokens_per_s=self.prefill_rate(prefill))
+
+    def prefill_rate(self, prefill: str) -> float | None:
+        rate = self._prefill.get(prefill)
+        return rate.value if rate else None
+
+    def warm_tokens(self, prefill: str, previous_prefill: str, previous_held: int, *, trusted: bool = True) -> int:
+        """How many of the conversation's held tokens P's prefix cache holds, as far as the gateway can tell: P
+        served the last turn, so it holds that turn's prompt, which is all D holds but the last answer (a
+        slight overestimate: that answer, P computes either way). 0 for another P, and, when `trusted`, for a P
+        whose cache was last found cold (the untrusted figure is what P's next report is checked against)."""
+        if prefill != previous_prefill:
+            return 0
+        return self._trusted(prefill, previous_held) if trusted else previous_held
+
+    def _trusted(self, prefill: str, estimate: int) -> int:
+        return 0 if prefill in self._cold else estimate
+
+    def _check_estimate(self, prefill: str, reported: int | None, expected: int) -> None:
+        """P's report against the estimate: an estimate twice too high marks P's cache as not to be counted on
+        (until a report meets it again)."""
+        if reported is None or expected <= 0:
+            return
+        if reported * 2 < expected:
+            self._cold.add(prefill)
+        else:
+            self._cold.discard(prefill)
+
+    def _rate(self, rates: dict, key: object) -> Rate:
+        if key not in rates:
+            rates[key] = Rate(self.weight)
+        return rates[key]
