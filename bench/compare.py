@@ -48,7 +48,8 @@ REUSE_FLOOR = "floor with reuse"
 FLOORS = ("floor", REUSE_FLOOR)
 PRESSURE_LINK = ("Under pressure (D's KV pinned by idle conversations; P's cache vs the working set): "
                  "`python bench/pressure.py`, [PRESSURE.md](PRESSURE.md), curve [pressure.png](pressure.png).")
-BASELINE = {"pd-gateway": REUSE_FLOOR, "naive proxy": REUSE_FLOOR, "vllm-router": "floor"}
+SESSIONLESS = "pd-gateway sessionless"     # no session ids: the conversation found by its tokens (prefix lookup)
+BASELINE = {"pd-gateway": REUSE_FLOOR, SESSIONLESS: REUSE_FLOOR, "naive proxy": REUSE_FLOOR, "vllm-router": "floor"}
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,8 @@ class Env:
     pinned_p: object = None
     pinned_d: object = None
     pinned_gw: object = None
+    sessionless_gw: object = None    # the zero-timing engines again, driven without session ids
+    stateless_gw: object = None      # the GPU-cost engines, conversations looked up by session id only
     place_p: list = field(default_factory=list)
     place_d: list = field(default_factory=list)
     place_gws: list = field(default_factory=list)
@@ -154,42 +157,46 @@ def start_all(s: Servers, sizes: Sizes) -> Env:
     zp, zd, gp, gd, rp, rd, hp, hd = engines[:8]
     store = ["--redis-url", redis.url]
     gws = [([zp], [zd], [*store, *GATEWAY_TTL]), ([gp], [gd], store),
-           ([rp], [rd], [*store, "--tokenizer", "builtin:demo-reasoning"]), ([hp], [hd], [*store, *GATEWAY_TTL])]
+           ([rp], [rd], [*store, "--tokenizer", "builtin:demo-reasoning"]), ([hp], [hd], [*store, *GATEWAY_TTL]),
+           ([zp], [zd], [*store, *GATEWAY_TTL]), ([gp], [gd], [*store, "--conversation-lookup", "session"])]
     if sizes.placement:
         ps, ds = engines[8:8 + PLACE_P], engines[8 + PLACE_P:]
         gws += [(ps, ds, store), (ps, ds, [*store, "--no-prefill-affinity"])]
     gateways = s.gateways(gws)
-    env = Env(zp, zd, gateways[0], gp, gd, gateways[1], rp, rd, gateways[2], hp, hd, gateways[3])
+    env = Env(zp, zd, gateways[0], gp, gd, gateways[1], rp, rd, gateways[2], hp, hd, gateways[3],
+              sessionless_gw=gateways[4], stateless_gw=gateways[5])
     if sizes.placement:
-        env.place_p, env.place_d, env.place_gws = engines[8:8 + PLACE_P], engines[8 + PLACE_P:], gateways[4:6]
+        env.place_p, env.place_d, env.place_gws = engines[8:8 + PLACE_P], engines[8 + PLACE_P:], gateways[6:8]
     return env
 
 
 # -- 1. zero timing: floor, pd-gateway, naive proxy, vllm-router --------------------------------------------
 def zero_timing(s: Servers, env: Env, sizes: Sizes, notes: list[str]) -> dict:
     p, d, gw = env.zero_p, env.zero_d, env.zero_gw
-    setups: dict[str, tuple] = {"floor": (FloorTarget([p.url], [d.url]), None),
-                                REUSE_FLOOR: (FloorTarget([p.url], [d.url], reuse=True), None)}
-    setups["pd-gateway"] = (OpenAITarget(gw.url), gw)
-    setups["naive proxy"] = (OpenAITarget((naive := s.naive([p], [d])).url), naive)
+    # set-up -> (target, its process, how its workload differs)
+    setups: dict[str, tuple] = {"floor": (FloorTarget([p.url], [d.url]), None, {}),
+                                REUSE_FLOOR: (FloorTarget([p.url], [d.url], reuse=True), None, {})}
+    setups["pd-gateway"] = (OpenAITarget(gw.url), gw, {})
+    setups[SESSIONLESS] = (OpenAITarget(env.sessionless_gw.url), env.sessionless_gw, {"sessions": False})
+    setups["naive proxy"] = (OpenAITarget((naive := s.naive([p], [d])).url), naive, {})
     try:
         router = s.router([p], [d])
-        setups["vllm-router"] = (OpenAITarget(router.url), router)
+        setups["vllm-router"] = (OpenAITarget(router.url), router, {})
     except Exception as exc:  # not installable or not runnable here: say so and carry on
         notes.append(f"vllm-router could not be run here: {str(exc).splitlines()[0][:200]}")
     w = Workload(conversations=sizes.conversations, turns=sizes.turns, new_tokens=sizes.new_tokens,
                  think_s=sizes.think_s, seed=1)
     rows, saturation = {name: Row(name, RunResult([], 0.0), 0.0) for name in setups}, {}
-    for target, _ in setups.values():       # warm up: first connections, lazy imports, first allocations
-        drive(target, replace(w, conversations=8, turns=2, think_s=0.0, seed=99), concurrency=8)
+    for target, _, own in setups.values():  # warm up: first connections, lazy imports, first allocations
+        drive(target, replace(w, conversations=8, turns=2, think_s=0.0, seed=99, **own), concurrency=8)
     before = metrics(gw.url)
     # Set-ups take turns, round after round, so that a change in the machine's load hits them alike.
     per_round = replace(w, conversations=max(sizes.concurrency, w.conversations // sizes.rounds))
     for round_ in range(sizes.rounds):
-        for name, (target, server) in setups.items():
+        for name, (target, server, own) in setups.items():
             reset(p, d)
             engines_cpu = [CpuMeter(e.proc.pid) for e in (p, d)]
-            run, cpu = drive(target, replace(per_round, seed=round_), concurrency=sizes.concurrency,
+            run, cpu = drive(target, replace(per_round, seed=round_, **own), concurrency=sizes.concurrency,
                              pid=server.proc.pid if server else None)
             row = rows[name]
             row.run = RunResult(row.run.turns + run.turns, row.run.wall_s + run.wall_s)
@@ -198,9 +205,9 @@ def zero_timing(s: Servers, env: Env, sizes: Sizes, notes: list[str]) -> dict:
                 sum(m.seconds() for m in engines_cpu) * 1e3 / max(1, len(run.ok)) / sizes.rounds
     rows = list(rows.values())
     after = metrics(gw.url)
-    for name, (target, server) in setups.items():     # saturation: no think time, fixed duration
+    for name, (target, server, own) in setups.items():     # saturation: no think time, fixed duration
         reset(p, d)
-        sat = replace(w, think_s=0.0, conversations=100_000, turns=sizes.turns, seed=2)
+        sat = replace(w, think_s=0.0, conversations=100_000, turns=sizes.turns, seed=2, **own)
         run, cpu = drive(target, sat, concurrency=sizes.concurrency, duration_s=sizes.saturation_s,
                          pid=server.proc.pid if server else None)
         saturation[name] = {"turns_per_s": run.turns_per_s, "cpu_ms_per_turn": cpu, "errors": run.errors,
@@ -291,17 +298,21 @@ def gpu_scenario(env: Env, sizes: Sizes, *, reasoning: bool) -> dict:
     conversations, turns = sizes.gpu
     base = Workload(conversations=conversations, turns=turns, new_tokens=100, history_tokens=1000, seed=7,
                     token_ids=True)
-    arms = {"reuse (sessions)": base,
-            "stateless PD (no session; engines' prefix caches only)": replace(base, sessions=False),
-            "full prefill (no session, no prefix-cache hit)": replace(base, sessions=False, salt_each_turn=True)}
+    stateless = gw if reasoning else env.stateless_gw      # the latter looks conversations up by session id only
+    arms = {"reuse (sessions)": (base, gw),
+            "reuse without session ids (prefix lookup)": (replace(base, sessions=False), gw),
+            "stateless PD (no session; engines' prefix caches only)": (replace(base, sessions=False), stateless),
+            "full prefill (no session, no prefix-cache hit)": (replace(base, sessions=False, salt_each_turn=True),
+                                                               stateless)}
     if reasoning:
-        arms.pop("stateless PD (no session; engines' prefix caches only)")
+        for name in ("reuse without session ids (prefix lookup)", "stateless PD (no session; engines' prefix caches only)"):
+            arms.pop(name)
     out = {}
-    for name, w in arms.items():
+    for name, (w, server) in arms.items():
         reset(p, d)
-        before = metrics(gw.url)
-        run, _ = drive(OpenAITarget(gw.url), w, concurrency=conversations)
-        out[name] = _reuse_figures(run, p_stats([p]), _delta(before, metrics(gw.url)))
+        before = metrics(server.url)
+        run, _ = drive(OpenAITarget(server.url), w, concurrency=conversations)
+        out[name] = _reuse_figures(run, p_stats([p]), _delta(before, metrics(server.url)))
     return out
 
 
@@ -530,6 +541,12 @@ def report(args, sizes: Sizes, zero: dict, history: dict, gpu: dict, reasoning: 
               f"{_met(r_reuse['reuse_of_ideal'] >= 0.9)} |",
               f"| GPU cost: mean TTFT turns >= 2 at least 3x lower with reuse | {ttft_gain:.1f}x | "
               f"{_met(ttft_gain >= 3)} |", ""]
+    sessionless = by_name.get(SESSIONLESS)
+    if sessionless:
+        extra = added(sessionless, 50) - added50
+        lines += [f"pd-gateway without session ids (conversations found by their tokens, its own gateway process "
+                  f"on the same engines): added p50 {added(sessionless, 50):+.2f} ms against {added50:+.2f} ms with "
+                  f"session ids: the lookup adds {extra:+.2f} ms (target <= 0.3 ms: {_met(extra <= 0.3)}).", ""]
     router = by_name.get("vllm-router")
     if router:
         lines += [f"vllm-router (stateless PD, Rust): added p50 {added(router, 50):+.2f} ms, "

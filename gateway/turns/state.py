@@ -51,6 +51,11 @@ class ConversationState:
         """Find the turn's conversation (by its session id, else by its tokens: sessionless.py, else a new one)
         and claim its handle (at most once, atomically in the store). (None, None): no conversation (no session
         id and lookup by session id only). Raises StoreUnavailableError: the turn is then served stateless."""
+        if session is None and req.body.get("cache_salt") is not None:
+            # A client that salts its prompts keeps its KV apart from others' on purpose (vLLM's cache_salt):
+            # finding a conversation by its tokens would cross that line, so a salted turn without a session id
+            # is served stateless.
+            return None, None
         found = await self._timed("begin_turn", self.finder.begin(
             session, tenant, req.prompt_ids, req.model, time.time()))
         if found is None:

@@ -179,3 +179,19 @@ async def test_decode_failure_prefills_afresh_then_another_d():
 async def test_out_of_retries_the_last_engine_error_reaches_the_client():
     with pytest.raises(EngineFailedError):
         await run_turn(by_leg(lambda url, body: EngineFailedError("500")), retries=1)
+
+
+async def test_a_salted_turn_without_a_session_id_is_not_looked_up_by_its_tokens():
+    settings = Settings(prefill=["http://p0"], decode=["http://d0"])
+    store, metrics = MemoryConversationStore(), Metrics()
+    prefill, decode = EnginePool("prefill", settings.prefill), EnginePool("decode", settings.decode)
+    releaser = HandleReleaser(ScriptedClient(prefill_answer), prefill, EngineCalls(metrics), metrics, "m")
+    state = ConversationState(store=store, decode=decode, releaser=releaser, metrics=metrics, settings=settings,
+                              block_size=BS, renderer=None)
+
+    def request(body: dict) -> TurnRequest:
+        return TurnRequest(endpoint="/v1/chat/completions", body=body, model="m", prompt_ids=PROMPT, stream=False,
+                           want_token_ids=False, include_usage=False, request_id="r")
+    assert await state.begin(request({"messages": [], "cache_salt": "user-7"}), None) == (None, None)
+    found, _ = await state.begin(request({"messages": []}), None)
+    assert found is not None and found.how == "new"
