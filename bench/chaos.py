@@ -33,7 +33,7 @@ from tests.redis_server import RedisServer  # noqa: E402
 TTL_S = 8                      # D pins and P leases are short so that leaks would show within the run
 GATEWAY_FLAGS = ["--prefill-timeout-s", "4", "--prefill-handle-timeout-s", "3", "--decode-first-byte-timeout-s", "4", "--decode-idle-timeout-s",
                  "1.5", "--max-retries", "2", "--decoder-kv-blocks-ttl-s", str(TTL_S), "--handle-ttl-margin-s",
-                 "3", "--health-interval-s", "0.5", "--log-level", "warning"]
+                 "3", "--health-interval-s", "0.5", "--log-level", "warning", "--reuse-policy", "always"]
 SIM_FLAGS = ["--output-tokens", "70:110", "--kv-lease-duration", str(TTL_S), "--decoder-kv-blocks-ttl",
              str(TTL_S), "--log-level", "warning"]
 HUNG_S = 30.0                  # a turn lasting longer is hung: every deadline above sums to well under it

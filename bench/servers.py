@@ -52,10 +52,13 @@ class Servers(contextlib.ExitStack):
         return self.gateways([(prefill, decode, list(flags))])[0]
 
     def gateways(self, specs: list[tuple[list[Server], list[Server], list[str]]]) -> list[Server]:
-        """Start several gateways at once: (prefill engines, decode engines, flags) each."""
+        """Start several gateways at once: (prefill engines, decode engines, flags) each. They read D's KV whenever
+        continuity allows (`--reuse-policy always`, unless the flags say otherwise): the benches measure reuse
+        itself, and on the zero-timing sims computing is free, so the cost plan would always recompute."""
         procs = []
         for prefill, decode, flags in specs:
-            procs.append(_Pending(["serve", "--log-level", "warning", *flags, *engine_flags(prefill, decode)],
+            procs.append(_Pending(["serve", "--log-level", "warning", "--reuse-policy", "always", *flags,
+                                   *engine_flags(prefill, decode)],
                                   cpus=self.proxy_cpus))
         return self._wait(procs)
 
