@@ -58,6 +58,24 @@ def test_conversation_reuses_d_kv_on_every_turn(engines, gateway, stream):
     assert engines.prefill.nixl_bytes() - bytes_before >= read * KV_BYTES_PER_TOKEN     # NIXL moved them
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_conversation_without_session_id_is_found_by_its_tokens(engines, gateway, stream):
+    """No session id anywhere: from turn 2 on the gateway finds the conversation by its tokens (prefix lookup)
+    and P reads D's KV, answers still exact."""
+    c = chat(engines, gateway, session=None)
+    for i, question in enumerate(QUESTIONS):
+        turn = c.say(f"(sessionless, stream={stream}) {question}" if i == 0 else question, stream=stream)
+        assert turn.exact, f"turn {i + 1} differs from the co-located engine"
+        if i == 0:
+            assert (turn.plan, turn.reason) == ("full", "no_session")
+            continue
+        previous = c.turns[i - 1]
+        held = len(previous.prompt_ids) + len(previous.token_ids) - 1
+        assert (turn.plan, turn.reason, turn.reused) == ("reuse", "continuous", held)
+        cached_on_p = len(previous.prompt_ids) // BLOCK_SIZE * BLOCK_SIZE
+        assert turn.prefill_loaded == held - cached_on_p > 0, f"turn {i + 1}: P did not read D's KV"
+
+
 def test_edited_history_falls_back_and_stays_exact(engines, gateway):
     c = chat(engines, gateway)
     for question in QUESTIONS[:3]:
