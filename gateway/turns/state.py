@@ -153,8 +153,12 @@ class ConversationState:
         await asyncio.gather(*(one(v) for v in victims))
 
     def _report_pins(self, engine: str) -> None:
-        if self.pins is not None:
-            self.metrics.pinned_tokens.labels(engine).set(self.pins.pinned_tokens(engine))
+        """The gauge, and the D's pinned blocks where routing's used_kv reads them."""
+        if self.pins is None:
+            return
+        self.metrics.pinned_tokens.labels(engine).set(self.pins.pinned_tokens(engine))
+        if (holder := self.decode_pool.get(engine)) is not None:
+            holder.info["pinned_blocks"] = self.pins.pinned_blocks(engine)
 
     async def abandon(self, req: TurnRequest, session: ConversationKey | None, start: TurnStart | None,
                       plan: Plan) -> None:
