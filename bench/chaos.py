@@ -302,7 +302,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="about 2 minutes")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--pin-budget", help="the gateways' --decode-pin-budget (a small one makes them evict)")
     args = parser.parse_args()
+    GATEWAY_FLAGS.extend(["--decode-pin-budget", args.pin_budget] if args.pin_budget else [])
     random.seed(args.seed)
     size = dict(clients=150, turns=4, fault_period=8.0, replicas=3) if args.quick else \
         dict(clients=300, turns=6, fault_period=20.0, replicas=3)

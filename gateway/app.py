@@ -35,6 +35,8 @@ from gateway.turns.fleet import EngineAdmin
 from gateway.turns.intake import Intake
 from gateway.turns.release import HandleReleaser
 from gateway.turns.render import Renderer
+from gateway.turns.budget import PinBudget
+from gateway.turns.pins import PinLedger
 from gateway.turns.state import ConversationState
 from gateway.turns.turn import TurnRunner
 
@@ -117,8 +119,9 @@ def _runner(client: EngineClient, prefill: EnginePool, decode: EnginePool, store
     """The turn machinery: engine calls, the handle releaser and the conversation state, shared by every turn."""
     calls = EngineCalls(metrics)
     releaser = HandleReleaser(client, prefill, calls, metrics, model)
+    pins = PinLedger(PinBudget(settings.decode_pin_budget, block_size)) if block_size else None
     state = ConversationState(store=store, decode=decode, releaser=releaser, metrics=metrics, settings=settings,
-                              block_size=block_size, renderer=renderer)
+                              block_size=block_size, renderer=renderer, pins=pins)
     return TurnRunner(client=client, prefill=prefill, decode=decode, state=state, calls=calls, releaser=releaser,
                       metrics=metrics, settings=settings, tracing=tracing)
 

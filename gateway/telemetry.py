@@ -44,6 +44,13 @@ class Metrics:
         self.handles_missing = Counter(
             "pdgw_handles_missing", "Finished turns whose D returned no handle, by why", ["reason"], registry=r)
 
+        self.pinned_tokens = Gauge(
+            "pdgw_pinned_tokens", "Tokens of KV this gateway's stored handles pin on each D", ["engine"],
+            registry=r)
+        self.handles_evicted = Counter(
+            "pdgw_handles_evicted", "Idle handles released to keep a D within its pin budget", ["engine"],
+            registry=r)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

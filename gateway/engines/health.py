@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from gateway.engines.capacity import read_capacity
 from gateway.engines.client import EngineClient
 from gateway.engines.pool import Engine, EnginePool
 from gateway.errors import EngineTimeoutError, GatewayError
@@ -48,10 +49,21 @@ class HealthChecker:
                 log.warning("engine %s (%s) is now %s", engine.url, engine.role, "healthy" if ok else "unhealthy")
                 if ok:
                     engine.readmit(now)      # back in rotation, but taking traffic gradually
+                    engine.info.pop("num_gpu_blocks", None)    # maybe restarted with another KV size
                     if self.on_readmit is not None:
                         self.on_readmit(engine)
             engine.healthy = ok
             self._metrics.engine_healthy.labels(engine.role, engine.url).set(int(ok))
+        await self._read_capacities(engines)
+
+    async def _read_capacities(self, engines: list[Engine]) -> None:
+        """D's KV capacity (its pin budget's base) for each healthy D that has not reported it yet: one still
+        profiling its memory at start-up, or one re-admitted after an outage."""
+        missing = [e for e in engines if e.role == "decode" and e.healthy and not e.info.get("num_gpu_blocks")]
+        found = await asyncio.gather(*(read_capacity(self._client, e.url) for e in missing))
+        for engine, capacity in zip(missing, found, strict=True):
+            if capacity is not None and capacity.num_gpu_blocks:
+                engine.info["num_gpu_blocks"] = capacity.num_gpu_blocks
 
     async def run(self) -> None:
         while True:

@@ -1,5 +1,5 @@
 """What an engine says about itself: served models and `max_model_len` (from /v1/models), vLLM version, KV block
-size (from /metrics), its KV-transfer config (from /server_info, which vLLM serves only with
+size and capacity in blocks (from /metrics), its KV-transfer config (from /server_info, which vLLM serves only with
 VLLM_SERVER_DEV_MODE=1), and how it tokenizes a chat."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 
 from gateway.engines import kv
+from gateway.engines.capacity import kv_capacity
 from gateway.engines.client import EngineClient
 from gateway.engines.pool import Engine
 from gateway.errors import GatewayError
@@ -37,6 +38,8 @@ async def probe(client: EngineClient, engine: Engine) -> dict[str, Any]:
         info["version"] = _json(version).get("version")
     if metrics and (match := _BLOCK_SIZE.search(metrics)):
         info["block_size"] = int(match.group(1))
+    if metrics and (blocks := kv_capacity(metrics.decode("utf-8", "replace")).num_gpu_blocks):
+        info["num_gpu_blocks"] = blocks           # D's pin budget is a fraction of it
     if server_info and (kv := kv_transfer_of(_json(server_info))) is not None:
         info["kv_transfer"] = kv
     engine.info.update(info)

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 RAMP_REQUESTS = 8            # a re-admitted engine scores as if this busy, decaying to 0 over pool.RAMP_S
 RAMP_TOKENS = 8192
+FULL_KV_REQUESTS = 8         # a D with no free KV scores as if this many more requests were outstanding
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,18 @@ def holder(engine: Engine, want: Want) -> float:
     return 0.0
 
 
+def used_kv(engine: Engine, want: Want) -> float:
+    """D's KV not free for a new conversation, 0..1 of its blocks scaled to FULL_KV_REQUESTS: what the gateway's
+    stored handles pin there plus its outstanding prompts. Idle conversations' pins fill a D long before its
+    request count shows it; a D whose capacity is unknown scores 0."""
+    capacity = engine.info.get("num_gpu_blocks")
+    if not capacity:
+        return 0.0
+    block_size = engine.info.get("block_size") or 16
+    in_use = engine.info.get("pinned_blocks", 0) + -(-engine.outstanding_tokens // block_size)
+    return FULL_KV_REQUESTS * min(1.0, in_use / capacity)
+
+
 @dataclass(frozen=True)
 class Profile:
     filters: Sequence[Filter]
@@ -102,7 +115,7 @@ class Profile:
 
 
 PREFILL = Profile((HEALTHY, NOT_FAILED_THIS_TURN, BREAKER_CLOSED), (queued_tokens, previous_prefill))
-DECODE = Profile((HEALTHY, NOT_FAILED_THIS_TURN, BREAKER_CLOSED), (outstanding_requests, holder))
+DECODE = Profile((HEALTHY, NOT_FAILED_THIS_TURN, BREAKER_CLOSED), (outstanding_requests, used_kv, holder))
 
 
 # -- picker -----------------------------------------------------------------------------------------------

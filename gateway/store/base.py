@@ -82,7 +82,7 @@ class Conversation(msgspec.Struct, kw_only=True):
     updated_at: float = 0.0
 
 
-HandleState = Literal["claimed", "none", "expired", "in_flight"]
+HandleState = Literal["claimed", "none", "expired", "in_flight", "evicted"]
 HolderState = Literal["idle", "none", "expired", "in_flight"]  # idle: a live handle, no turn begun since
 
 
@@ -103,7 +103,7 @@ class TurnStart(msgspec.Struct):
     turn: int  # this turn's number (1 for a new conversation)
     record: Conversation | None  # None: new conversation
     handle: dict[str, Any] | None  # D's handle, now owned by this turn alone (only when claimed)
-    handle_state: HandleState  # in_flight: an earlier turn started and has not finished
+    handle_state: HandleState  # in_flight: an earlier turn started and has not finished; evicted: see evict_handle
 
 
 class Holder(msgspec.Struct):
@@ -152,6 +152,12 @@ class ConversationStore(Protocol):
 
         With a handle, the record's `index_hash` is indexed for `key.tenant` in the same atomic step, live as
         long as the handle; the conversation's previous entry goes (a claim or a delete removes it too)."""
+        ...
+
+    async def evict_handle(self, key: ConversationKey, turn: int) -> dict[str, Any] | None:
+        """Take the live unclaimed handle away only if it is still the one `turn` stored (no later turn began),
+        so D's blocks can be freed without a turn reading them; the next turn then begins with handle_state
+        "evicted". Returns the handle (the caller releases D's blocks), else None: nothing changed."""
         ...
 
     async def get(self, key: ConversationKey) -> tuple[Conversation, dict[str, Any] | None, int] | None:

@@ -49,6 +49,7 @@ class _Entry:
     expires_at: float = 0.0  # the whole conversation's TTL, on the store's clock
     held: int = 0  # the record's held_tokens, for lookups
     indexed: bytes | None = None  # this conversation's prefix-index entry, if it has one
+    evicted: int = 0  # the finished turn whose handle evict_handle took (0: none); reported once
 
 
 _IndexKey = tuple[str, bytes]  # (tenant, index hash)
@@ -86,10 +87,13 @@ class MemoryConversationStore:
             self._unindex(key, entry)  # claimed or dead: nothing left for a lookup to find
         elif entry.started > entry.finished and now - entry.started_at < self.inflight_timeout_s:
             state = "in_flight"
+        elif entry.evicted and entry.evicted == entry.finished == entry.started:
+            state = "evicted"
         else:
             state = "none"
         entry.started += 1
         entry.started_at = now
+        entry.evicted = 0
         self._write(key, entry)
         return TurnStart(
             turn=entry.started,
@@ -149,7 +153,7 @@ class MemoryConversationStore:
         entry = self._live(key)
         if entry is None or entry.started != turn or entry.finished >= turn:
             return False
-        entry.record, entry.finished, entry.held = record_blob, turn, record.held_tokens
+        entry.record, entry.finished, entry.held, entry.evicted = record_blob, turn, record.held_tokens, 0
         entry.handle = handle_blob
         entry.handle_expires_at = handle_expires_at if handle_blob is not None else 0.0
         # Same step as the record: the old entry goes, the new one (if a live handle waits) comes.
@@ -165,6 +169,16 @@ class MemoryConversationStore:
             members[key] = handle_expires_at
         self._write(key, entry)
         return True
+
+    async def evict_handle(self, key: ConversationKey, turn: int) -> dict[str, Any] | None:
+        check_key(key)
+        entry = self._live(key)
+        if entry is None or entry.handle is None or not entry.started == entry.finished == turn:
+            return None
+        handle, live = entry.handle, entry.handle_expires_at > self._clock()
+        entry.handle, entry.handle_expires_at, entry.evicted = None, 0.0, turn
+        self._unindex(key, entry)  # no handle left for a prefix lookup to offer
+        return decode_handle(handle) if live else None
 
     async def get(self, key: ConversationKey) -> tuple[Conversation, dict[str, Any] | None, int] | None:
         check_key(key)

@@ -96,6 +96,7 @@ class RedisConversationStore:
         self._delete = client.register_script(scripts.DELETE)
         self._begin_found_turn = client.register_script(scripts.BEGIN_FOUND_TURN)
         self._find_by_prefix = client.register_script(scripts.FIND_BY_PREFIX)
+        self._evict_handle = client.register_script(scripts.EVICT_HANDLE)
 
     @classmethod
     def from_url(
@@ -163,6 +164,12 @@ class RedisConversationStore:
                 int(record.held_tokens), digest or b""]
         with _unavailable_on_fault():
             return bool(await self._finish_turn(keys=[rkey], args=args))
+
+    async def evict_handle(self, key: ConversationKey, turn: int) -> dict[str, Any] | None:
+        rkey = conversation_key(key)
+        with _unavailable_on_fault():
+            handle = await self._evict_handle(keys=[rkey], args=[int(turn), repr(float(self._clock())), *_member(key)])
+        return decode_handle(handle) if handle is not None else None
 
     async def get(self, key: ConversationKey) -> tuple[Conversation, dict[str, Any] | None, int] | None:
         rkey = conversation_key(key)

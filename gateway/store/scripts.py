@@ -14,6 +14,7 @@ Layout of one conversation hash, `pdgw:v2:{tenant}:conv:<session digest>`:
     session             the session id itself, so a prefix lookup can name the conversation it found
     held                the record's held_tokens R, so a lookup skips holders longer than the prompt
     indexed             the 16-byte index hash this conversation is filed under in the prefix index, if any
+    evicted             the finished turn whose handle EVICT_HANDLE took; the next begin reports it, once
 
 The prefix index, one sorted set per indexed hash: `pdgw:v2:{tenant}:pfx:<16 raw bytes>`, members the
 session digests of the conversations filed there, scores their handle's expiry. A conversation is a member
@@ -40,7 +41,7 @@ end
 BEGIN_TURN = _UNINDEX + """
 local now = tonumber(ARGV[1])
 local v = redis.call('HMGET', KEYS[1], 'record', 'handle', 'handle_expires_at',
-                     'started', 'finished', 'started_at')
+                     'started', 'finished', 'started_at', 'evicted')
 local started = tonumber(v[4]) or 0
 local finished = tonumber(v[5]) or 0
 local state = 'none'
@@ -56,6 +57,11 @@ if v[2] then
   end
 elseif started > finished and now - (tonumber(v[6]) or 0) < tonumber(ARGV[2]) then
   state = 'in_flight'
+elseif v[7] and tonumber(v[7]) == finished and started == finished then
+  state = 'evicted'
+end
+if v[7] then
+  redis.call('HDEL', KEYS[1], 'evicted')
 end
 redis.call('HSET', KEYS[1], 'started', started + 1, 'started_at', ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
@@ -91,6 +97,7 @@ if tonumber(v[1]) ~= turn or (tonumber(v[2]) or 0) >= turn then
   return 0
 end
 redis.call('HSET', KEYS[1], 'record', ARGV[2], 'finished', ARGV[1], 'session', ARGV[9], 'held', ARGV[10])
+redis.call('HDEL', KEYS[1], 'evicted')
 if ARGV[3] ~= '' then
   redis.call('HSET', KEYS[1], 'handle', ARGV[3], 'handle_expires_at', ARGV[4])
 else
@@ -148,4 +155,22 @@ for i = #ARGV, 5, -1 do
   end
 end
 return out
+"""
+
+# KEYS[1] conversation; ARGV: turn, now, tenant prefix, session digest. Takes the handle only if `turn` stored it and no later turn began
+# (a begun turn has claimed it: never taken from under a reader), marks the conversation evicted, and returns
+# the handle if it was still live, else nil. The conversation's TTL is left as it is.
+EVICT_HANDLE = _UNINDEX + """
+local turn = tonumber(ARGV[1])
+local v = redis.call('HMGET', KEYS[1], 'started', 'finished', 'handle', 'handle_expires_at')
+if not v[3] or tonumber(v[1]) ~= turn or tonumber(v[2]) ~= turn then
+  return false
+end
+redis.call('HDEL', KEYS[1], 'handle', 'handle_expires_at')
+unindex(KEYS[1], ARGV[3], ARGV[4])
+redis.call('HSET', KEYS[1], 'evicted', ARGV[1])
+if (tonumber(v[4]) or 0) > tonumber(ARGV[2]) then
+  return v[3]
+end
+return false
 """

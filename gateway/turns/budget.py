@@ -6,8 +6,8 @@ whose blocks do not fit). So the gateway keeps the blocks its handles pin on eac
 (`decode_pin_budget`) of D's `num_gpu_blocks`: before storing a new handle that would push D over it, it
 releases the least recently used idle handles on that D (the zero-token read of `release.py`); the later turn
 that finds its handle gone is counted with reason `evicted`. A handle a turn has claimed is never released: that
-turn is reading it. Pure decisions only: the caller keeps the ledger (per D, tokens and last use per handle; in
-the store, a sorted set by last use updated inside the begin/finish round trips) and does the releasing.
+turn is reading it. Pure decisions only: the caller keeps the ledger (per D, tokens and last use per handle;
+per gateway process, pins.py says why) and does the releasing (state.py: out of the store first, then D).
 """
 
 from __future__ import annotations

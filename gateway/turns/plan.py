@@ -41,6 +41,7 @@ class Reason(StrEnum):
     MODEL_CHANGED = "model_changed"
     HANDLE_SHAPE = "handle_shape"
     RECOMPUTE_FASTER = "recompute_faster"           # the cost plan: P computes the history faster than it reads it
+    EVICTED = "evicted"                        # D's pin budget released the handle while the conversation idled
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ when the turn ends, mark a failed turn finished. The store never interprets what
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable
@@ -18,7 +19,9 @@ from gateway.store import Answer, Conversation, ConversationKey, ConversationSto
 from gateway.telemetry import Metrics
 from gateway.turns.capture import DecodeCapture
 from gateway.turns.continuity import Fingerprint, held_fingerprint
+from gateway.turns.budget import EVICTED
 from gateway.turns.generated import remember
+from gateway.turns.pins import PinLedger, Victim
 from gateway.turns.plan import Claim, Plan, Reason
 from gateway.turns.release import HandleReleaser
 from gateway.turns.render import Renderer
@@ -27,7 +30,8 @@ from gateway.turns.sessionless import ConversationFinder, Found
 
 log = logging.getLogger("gateway.turn")
 T = TypeVar("T")
-_NO_HANDLE_REASONS = {"expired": Reason.HANDLE_EXPIRED, "in_flight": Reason.CONCURRENT_TURN}
+_NO_HANDLE_REASONS = {"expired": Reason.HANDLE_EXPIRED, "in_flight": Reason.CONCURRENT_TURN,
+                      "evicted": Reason.EVICTED}
 
 
 @dataclass(frozen=True)
@@ -39,10 +43,12 @@ class Served:
 
 class ConversationState:
     def __init__(self, *, store: ConversationStore, decode: EnginePool, releaser: HandleReleaser,
-                 metrics: Metrics, settings: Settings, block_size: int, renderer: Renderer | None) -> None:
+                 metrics: Metrics, settings: Settings, block_size: int, renderer: Renderer | None,
+                 pins: PinLedger | None = None) -> None:
         self.store, self.decode_pool, self.releaser = store, decode, releaser
         self.metrics, self.settings, self.block_size = metrics, settings, block_size
         self.renderer = renderer        # history_tokens "generated": to keep D's answers as it made them
+        self.pins = pins                # the handles this process stored, kept within D's pin budget
         self.finder = ConversationFinder(store, settings.conversation_lookup, block_size, self._usable)
 
     # -- begin ---------------------------------------------------------------------------------------------
@@ -61,6 +67,8 @@ class ConversationState:
         if found is None:
             return None, None
         start = found.start
+        if self.pins is not None and start.handle_state == "claimed":
+            self.pins.claim(found.key, time.time())   # being read: never a budget victim
         if req.rerender is not None and start.record is not None and start.record.answers:
             req.prompt_ids = req.rerender(start.record.answers)      # past answers as D generated them
         return found, self._claim(req, start)
@@ -84,35 +92,81 @@ class ConversationState:
                      plan: Plan, served: Served, capture: DecodeCapture) -> None:
         """Store what D now holds (the turn still owns the conversation's counter), else release D's handle."""
         handle = self._verified_handle(capture)
+        if session is not None and self.pins is not None:
+            self.pins.spent(session)                  # the claimed handle, if any, was read or released
         if session is None or start is None or not capture.finished:
             if handle:
                 self.releaser.release(handle, "unused")
             return
         now = time.time()
+        handle, victims = self._admit(session, served.decode, handle, now)
         previous = start.record
         num_tokens, held = held_fingerprint(      # hashes only the blocks the plan did not verify
             req.prompt_ids, capture.prompt_ids, capture.output_ids, handle.num_tokens if handle else 0,
             self.block_size, previous=fingerprint(previous), verified_tokens=plan.reused_tokens)
+        expires_at = now + self.settings.handle_ttl_s
         record = Conversation(
             decode_engine=served.decode, prefill_engine=served.prefill, model=req.model,
             block_size=self.block_size, num_tokens=num_tokens, held_tokens=held.held_tokens,
             block_hashes=held.block_hashes, prefix_hash=held.prefix_hash,
-            handle_note="" if handle else _missing_note(req, capture),
+            handle_note="" if handle else (EVICTED if victims is None else _missing_note(req, capture)),
             answers=self._answers(req, start, capture), created_at=previous.created_at if previous else now,
             updated_at=now)
         try:
             stored = await self._timed("finish_turn", self.store.finish_turn(
-                session, start.turn, record, kv.stored(handle), now + self.settings.handle_ttl_s, now))
+                session, start.turn, record, kv.stored(handle), expires_at, now))
         except StoreUnavailableError:
             stored = False
         if handle and not stored:
             self.releaser.release(handle, "superseded")
+        if handle and stored and self.pins is not None:
+            self.pins.put(served.decode, session, start.turn, handle.num_tokens or 0, now, expires_at)
+        await self._evict(victims or [])
+        self._report_pins(served.decode)
+
+    def _admit(self, session: ConversationKey, engine: str, handle: kv.Handle | None,
+               now: float) -> tuple[kv.Handle | None, list[Victim] | None]:
+        """Make room on D for the new handle: the idle handles to evict; (None, None) when the new handle
+        alone exceeds the budget (released at once, its conversation's next turn says `evicted`)."""
+        if handle is None or self.pins is None:
+            return handle, []
+        holder = self.decode_pool.get(engine)
+        capacity = holder.info.get("num_gpu_blocks") if holder is not None else None
+        decision, victims = self.pins.admit(engine, session, handle.num_tokens or 0, capacity, now)
+        if not decision.keep_new:
+            self.releaser.release(handle, EVICTED)
+            self.metrics.handles_evicted.labels(engine).inc()
+            return None, None
+        return handle, victims
+
+    async def _evict(self, victims: list[Victim]) -> None:
+        """Take each victim's handle out of the store first, then free D's blocks: a turn that began in
+        between has claimed it, and evict_handle then leaves it alone (it is being read)."""
+        async def one(victim: Victim) -> None:
+            try:
+                wire = await self._timed("evict_handle", self.store.evict_handle(victim.key, victim.turn))
+            except StoreUnavailableError:
+                return                                 # still in the store: D frees it at its TTL
+            if (handle := kv.from_store(wire)) is not None:
+                self.releaser.release(handle, EVICTED)
+                self.metrics.handles_evicted.labels(victim.engine).inc()
+        await asyncio.gather(*(one(v) for v in victims))
+
+    def _report_pins(self, engine: str) -> None:
+        """The gauge, and the D's pinned blocks where routing's used_kv reads them."""
+        if self.pins is None:
+            return
+        self.metrics.pinned_tokens.labels(engine).set(self.pins.pinned_tokens(engine))
+        if (holder := self.decode_pool.get(engine)) is not None:
+            holder.info["pinned_blocks"] = self.pins.pinned_blocks(engine)
 
     async def abandon(self, req: TurnRequest, session: ConversationKey | None, start: TurnStart | None,
                       plan: Plan) -> None:
         """A failed turn stores nothing new, but marks itself finished so later turns are not 'concurrent'."""
         if session is None or start is None:
             return
+        if self.pins is not None:
+            self.pins.spent(session)
         self.metrics.turns.labels(plan.kind.value, plan.reason.value).inc()
         note = Reason.PREVIOUS_TURN_FAILED.value
         record = msgspec.structs.replace(start.record, handle_note=note) if start.record else \

@@ -179,3 +179,56 @@ async def test_conversation_expires_after_last_write(make_store: MakeStore) -> N
 async def test_ping(store: ConversationStore) -> None:
     assert await store.ping() is True
     assert store.kind in ("memory", "redis")
+
+
+# -- evict_handle: the pin budget takes an idle handle away before freeing D's blocks -------------------------
+async def test_evict_handle_takes_the_idle_handle_and_marks_the_next_turn(store: ConversationStore) -> None:
+    start = await finished_turn(store, KEY)
+    assert await store.evict_handle(KEY, start.turn) == HANDLE
+    assert await store.get(KEY) == (record(1), None, 1)
+    assert await store.evict_handle(KEY, start.turn) is None           # once
+    second = await store.begin_turn(KEY, time.time())
+    assert (second.turn, second.handle, second.handle_state) == (2, None, "evicted")
+    assert await store.finish_turn(KEY, 2, record(2), HANDLE, time.time() + 60, time.time())
+    third = await store.begin_turn(KEY, time.time())
+    assert (third.handle, third.handle_state) == (HANDLE, "claimed")   # a stored handle clears the mark
+
+
+async def test_evict_handle_never_takes_a_claimed_handle(store: ConversationStore) -> None:
+    start = await finished_turn(store, KEY)
+    claimed = await store.begin_turn(KEY, time.time())
+    assert claimed.handle == HANDLE
+    assert await store.evict_handle(KEY, start.turn) is None
+    assert await store.finish_turn(KEY, claimed.turn, record(2), HANDLE, time.time() + 60, time.time())
+    assert (await store.begin_turn(KEY, time.time())).handle_state == "claimed"   # not marked evicted
+
+
+async def test_evict_handle_never_takes_a_newer_turns_handle(store: ConversationStore) -> None:
+    first = await finished_turn(store, KEY)
+    await finished_turn(store, KEY)                                    # turn 2 claimed 1's, stored its own
+    assert await store.evict_handle(KEY, first.turn) is None
+    assert await store.get(KEY) == (record(2), HANDLE, 2)
+
+
+async def test_evicted_is_reported_once(store: ConversationStore) -> None:
+    start = await finished_turn(store, KEY)
+    await store.evict_handle(KEY, start.turn)
+    assert (await store.begin_turn(KEY, time.time())).handle_state == "evicted"
+    assert (await store.begin_turn(KEY, time.time())).handle_state == "in_flight"
+
+
+async def test_evict_an_expired_or_unknown_handle(store: ConversationStore) -> None:
+    now = time.time()
+    assert await store.evict_handle(ConversationKey("acme", "nobody"), 1) is None
+    start = await finished_turn(store, KEY, ttl_s=-1, now=now)          # D has already dropped it
+    assert await store.evict_handle(KEY, start.turn) is None
+    assert await store.get(KEY) == (record(1), None, 1)
+
+
+async def test_an_evicted_handle_leaves_the_prefix_index(store: ConversationStore) -> None:
+    await finished_turn(store, KEY)
+    second = await finished_turn(store, KEY)                           # record(2): indexed at its first block
+    now = time.time()
+    assert [h.key for h in await store.find_by_prefix("acme", [bytes(range(16))], 64, now)] == [KEY]
+    assert await store.evict_handle(KEY, second.turn) == HANDLE
+    assert await store.find_by_prefix("acme", [bytes(range(16))], 64, now) == []

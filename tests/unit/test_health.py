@@ -91,3 +91,35 @@ def test_an_engine_coming_back_healthy_is_handed_to_the_readmission_hook_once():
         return back, url
     back, url = asyncio.run(scenario())
     assert back == [url]
+
+
+def test_a_ds_kv_capacity_is_read_once_it_reports_one():
+    page = {"blocks": "None"}                   # vLLM says "None" while it still profiles its memory
+
+    async def scenario() -> list[object]:
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(text=f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="{page["blocks"]}"}} 1.0\n')
+
+        async def ok(_: web.Request) -> web.Response:
+            return web.Response(text="")
+
+        app = web.Application()
+        app.router.add_get("/health", ok)
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        pool = EnginePool("decode", [url])
+        seen = []
+        async with aiohttp.ClientSession() as session:
+            checker = HealthChecker(EngineClient(session), [pool], Metrics(), interval_s=0.05)
+            await checker.check_all()
+            seen.append(pool.engines[url].info.get("num_gpu_blocks"))
+            page["blocks"] = "1234"
+            await checker.check_all()
+            seen.append(pool.engines[url].info.get("num_gpu_blocks"))
+        await runner.cleanup()
+        return seen
+
+    assert asyncio.run(scenario()) == [None, 1234]

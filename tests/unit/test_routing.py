@@ -84,3 +84,23 @@ def test_admission_bounds_turns_and_queued_tokens():
     first.close()                                        # idempotent
     second.close()
     assert (admission.turns, admission.queued_tokens) == (0, 0)
+
+
+def test_a_new_conversation_goes_to_the_d_with_free_kv():
+    p = pool(2)
+    for engine in p.engines.values():
+        engine.info.update(num_gpu_blocks=1000, block_size=16)
+    p.engines["http://d0"].info["pinned_blocks"] = 900          # idle conversations' handles fill d0
+    p.engines["http://d0"].outstanding_requests = 0
+    p.engines["http://d1"].outstanding_requests = 2             # busier, but its KV is free
+    assert {p.pick_decode().url for _ in range(4)} == {"http://d1"}
+    p.engines["http://d1"].outstanding_requests = 9             # a queue outweighs free KV
+    assert p.pick_decode().url == "http://d0"
+    assert p.pick_decode("http://d0").url == "http://d0"        # the holder keeps its conversation regardless
+
+
+def test_unknown_capacity_routes_on_requests_alone():
+    p = pool(2)
+    p.engines["http://d0"].info["pinned_blocks"] = 900
+    p.engines["http://d1"].outstanding_requests = 1
+    assert p.pick_decode().url == "http://d0"

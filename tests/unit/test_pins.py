@@ -1,0 +1,126 @@
+"""The pin ledger and budget decisions as ConversationState carries them out, over the embedded store: idle
+handles leave the store before D's blocks are freed, a claimed one is never taken, the next turn says evicted."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.config import Settings
+from gateway.engines import kv
+from gateway.engines.pool import EnginePool
+from gateway.store import ConversationKey, MemoryConversationStore
+from gateway.telemetry import Metrics
+from gateway.turns.budget import PinBudget
+from gateway.turns.capture import DecodeCapture
+from gateway.turns.pins import PinLedger
+from gateway.turns.plan import Plan, PlanKind, Reason
+from gateway.turns.request import TurnRequest
+from gateway.turns.state import ConversationState, Served
+
+BS = 4
+D = "http://d0"
+
+
+class Releaser:
+    """Stands in for HandleReleaser: what was released and why (the zero-token read is release.py's)."""
+
+    def __init__(self) -> None:
+        self.released: list[tuple[int | None, str]] = []
+
+    def release(self, handle: kv.Handle, why: str) -> None:
+        self.released.append((handle.num_tokens, why))
+
+
+def make_state(capacity: int | None, fraction: float = 0.5) -> tuple[ConversationState, Releaser, Metrics]:
+    settings = Settings(prefill=["http://p0"], decode=[D])
+    decode = EnginePool("decode", settings.decode)
+    if capacity is not None:
+        decode.get(D).info["num_gpu_blocks"] = capacity
+    releaser, metrics = Releaser(), Metrics()
+    state = ConversationState(store=MemoryConversationStore(), decode=decode, releaser=releaser,  # type: ignore[arg-type]
+                              metrics=metrics, settings=settings, block_size=BS, renderer=None,
+                              pins=PinLedger(PinBudget(fraction, BS)))
+    return state, releaser, metrics
+
+
+def request(prompt: int) -> TurnRequest:
+    return TurnRequest(endpoint="/v1/completions", body={}, model="m", prompt_ids=list(range(prompt)),
+                       stream=False, want_token_ids=False, include_usage=False, request_id="r")
+
+
+def capture(prompt: int, output: int, handle_id: int) -> DecodeCapture:
+    handle = kv.Handle({"do_remote_decode": True, "remote_engine_id": "d0", "remote_block_ids": [[handle_id]],
+                        "remote_num_tokens": prompt + output - 1, "remote_host": "h", "remote_port": 1})
+    return DecodeCapture(prompt_ids=list(range(prompt)), output_ids=[1] * output, handle=handle,
+                         finish_reason="stop", output_ids_seen=True)
+
+
+async def turn(state: ConversationState, session: str, prompt: int, output: int = 1, handle_id: int = 0) -> Any:
+    """One whole turn that leaves a handle of prompt+output-1 tokens on D; returns its start and claim."""
+    key = ConversationKey("t", session)
+    req = request(prompt)
+    found, claim = await state.begin(req, key)
+    start = found.start
+    await state.record(req, key, start, Plan(PlanKind.FULL, Reason.FIRST_TURN), Served("http://p0", D),
+                       capture(prompt, output, handle_id))
+    return start, claim
+
+
+def value(metrics: Metrics, name: str, **labels: str) -> float | None:
+    return metrics.registry.get_sample_value(name, labels)
+
+
+async def test_over_budget_the_least_recently_used_idle_handle_is_evicted_and_its_next_turn_says_so():
+    state, releaser, metrics = make_state(capacity=20)          # budget: 10 blocks of 4 tokens
+    await turn(state, "a", 16)                                  # 16 tokens: 4 blocks
+    await turn(state, "b", 16)
+    assert releaser.released == []
+    await turn(state, "c", 16)                                  # 12 blocks > 10: a, the oldest, goes
+    assert releaser.released == [(16, "evicted")]
+    assert await state.store.get(ConversationKey("t", "a")) is not None
+    assert (await state.store.get(ConversationKey("t", "a")))[1] is None      # out of the store first
+    assert value(metrics, "pdgw_handles_evicted_total", engine=D) == 1
+    assert value(metrics, "pdgw_pinned_tokens", engine=D) == 32
+    _, claim = await turn(state, "a", 20)
+    assert claim.handle is None and claim.missing == Reason.EVICTED
+
+
+async def test_a_claimed_handle_is_never_evicted():
+    state, releaser, _ = make_state(capacity=20)
+    await turn(state, "a", 16)
+    await turn(state, "b", 16)
+    key_a = ConversationKey("t", "a")
+    found, claim = await state.begin(request(20), key_a)        # a's turn is reading its handle
+    start = found.start
+    assert claim.handle is not None
+    await turn(state, "c", 16)                                  # over: b goes, not the older but claimed a
+    assert releaser.released == [(16, "evicted")]
+    assert (await state.store.get(ConversationKey("t", "b")))[1] is None
+    await state.record(request(20), key_a, start, Plan(PlanKind.REUSE, Reason.CONTINUOUS), Served("http://p0", D),
+                       capture(20, 1, 9))
+    assert (await state.store.get(key_a))[1] is not None        # a's new handle stored
+
+
+async def test_a_handle_larger_than_the_budget_is_released_not_stored():
+    state, releaser, _ = make_state(capacity=20)
+    await turn(state, "a", 48)                                  # 12 blocks > 10
+    assert releaser.released == [(48, "evicted")]
+    record, handle, _ = await state.store.get(ConversationKey("t", "a"))
+    assert handle is None and record.handle_note == "evicted"
+    _, claim = await turn(state, "a", 52)
+    assert claim.missing == Reason.EVICTED
+
+
+async def test_unknown_capacity_or_budget_off_evicts_nothing():
+    for state, releaser, _ in (make_state(capacity=None), make_state(capacity=20, fraction=0.0)):
+        for session in "abcd":
+            await turn(state, session, 16)
+        assert releaser.released == []
+
+
+async def test_a_conversations_own_handle_is_replaced_not_evicted():
+    state, releaser, metrics = make_state(capacity=20)
+    for prompt in (16, 24, 32):                                 # one conversation growing: 4, 6, 8 blocks
+        await turn(state, "a", prompt)
+    assert releaser.released == []
+    assert value(metrics, "pdgw_pinned_tokens", engine=D) == 32
