@@ -38,7 +38,6 @@ from .codec import decode_handle, decode_record, encode_handle, encode_record
 KEY_LAYOUT = "v2"  # bumped (with a migration) whenever the key or hash layout changes
 DEFAULT_CONNECT_TIMEOUT_S = 0.5
 DEFAULT_OP_TIMEOUT_S = 1.0
-SUPPORTED_SCHEMES = topology.SCHEMES
 
 
 def tenant_prefix(tenant: str) -> str:

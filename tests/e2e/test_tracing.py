@@ -112,6 +112,7 @@ async def test_spans_per_turn_and_leg_and_traceparent_forwarded(proxies, caplog)
     caplog.set_level(logging.INFO)
     settings = Settings(prefill=[proxies[0].url], decode=[proxies[1].url], health_interval_s=60)
     async with AsyncTestClient(create_app(settings, tracing=OtelTracing(provider))) as client:
+        started = [len(proxy.seen) for proxy in proxies]     # start-up probes (P's pinned-ids proof) came before
         messages = []
         for i, question in enumerate(QUESTIONS):
             messages.append({"role": "user", "content": question})
@@ -146,8 +147,9 @@ async def test_spans_per_turn_and_leg_and_traceparent_forwarded(proxies, caplog)
     # Each engine request carried the traceparent of its own leg span.
     leg_ids = {(s.name, f"00-{s.context.trace_id:032x}-{s.context.span_id:016x}-{s.context.trace_flags:02x}")
                for s in spans if s.name in ("pd.prefill", "pd.decode")}
-    sent = {("pd.prefill", h.get("traceparent")) for path, h in proxies[0].seen if path == "/v1/chat/completions"}
-    sent |= {("pd.decode", h.get("traceparent")) for path, h in proxies[1].seen if path == "/v1/chat/completions"}
+    turns_p, turns_d = proxies[0].seen[started[0]:], proxies[1].seen[started[1]:]
+    sent = {("pd.prefill", h.get("traceparent")) for path, h in turns_p if path == "/v1/chat/completions"}
+    sent |= {("pd.decode", h.get("traceparent")) for path, h in turns_d if path == "/v1/chat/completions"}
     assert sent == leg_ids
     assert not [h for path, h in proxies[0].seen + proxies[1].seen if path == "/health" and "traceparent" in h]
 

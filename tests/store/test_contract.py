@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from gateway.store import Conversation, ConversationKey, ConversationStore
+from gateway.store import Answer, Conversation, ConversationKey, ConversationStore
 from tests.store.conftest import MakeStore
 
 KEY = ConversationKey("acme", "session-1")
@@ -26,7 +26,7 @@ HANDLE = {
 def record(n: int = 1) -> Conversation:
     return Conversation(
         decode_engine="d0", model="m", block_size=16, num_tokens=16 * n, held_tokens=16 * n - 1,
-        block_hashes=bytes(range(16)) * n, output_ids=[7] * n, created_at=1.0, updated_at=float(n),
+        block_hashes=bytes(range(16)) * n, answers=[Answer(n, b"h" * 16, [7] * n)], created_at=1.0, updated_at=float(n),
     )
 
 

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule
 
-from gateway.store import Conversation, ConversationKey, MemoryConversationStore, RedisConversationStore
+from gateway.store import Answer, Conversation, ConversationKey, MemoryConversationStore, RedisConversationStore
 
 fakeredis = pytest.importorskip("fakeredis")
 pytest.importorskip("lupa", reason="fakeredis runs Lua scripts through lupa (fakeredis[lua])")
@@ -43,7 +43,7 @@ records = st.builds(
     block_size=st.sampled_from([0, 4, 4]),
     held_tokens=st.sampled_from([0, 3, 4, 7, 8, 11, 12, 13]),
     block_hashes=st.binary(max_size=48) | st.sampled_from(["abc", "abd", "xyz"]).map(lambda t: b"".join(chain(t))),
-    output_ids=st.lists(st.integers(0, 2**31), max_size=4),
+    answers=st.lists(st.builds(Answer, st.integers(0, 99), st.just(b"h" * 16), st.lists(st.integers(0, 2**31), max_size=4)), max_size=2),
     updated_at=st.floats(0, 1e10),
 )
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.store import Conversation, ConversationKey, MemoryConversationStore
+from gateway.store import Answer, Conversation, ConversationKey, MemoryConversationStore
 
 
 class FakeClock:
@@ -42,12 +42,12 @@ async def test_expired_conversations_are_swept_on_write() -> None:
 
 async def test_records_are_not_aliased() -> None:
     store = MemoryConversationStore()
-    key, record, handle = ConversationKey("t", "s"), Conversation(output_ids=[1]), {"ids": [1]}
+    key, record, handle = ConversationKey("t", "s"), Conversation(answers=[Answer(1, b"h", [1])]), {"ids": [1]}
     start = await store.begin_turn(key, 1.0)
     await store.finish_turn(key, start.turn, record, handle, 100.0, 1.0)
-    record.output_ids.append(2)
+    record.answers[0].ids.append(2)
     handle["ids"].append(2)
-    assert (await store.begin_turn(key, 2.0)).record == Conversation(output_ids=[1])
+    assert (await store.begin_turn(key, 2.0)).record == Conversation(answers=[Answer(1, b"h", [1])])
 
 
 async def test_evicted_and_expired_conversations_leave_the_index() -> None:

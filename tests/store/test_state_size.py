@@ -10,7 +10,7 @@ def record_for(tokens: int, block_size: int = 16) -> Conversation:
     return Conversation(
         decode_engine="decode-0", prefill_engine="prefill-0", model="Qwen/Qwen3-8B", block_size=block_size,
         num_tokens=tokens, held_tokens=tokens - 1, block_hashes=b"\xab" * 16 * (tokens // block_size),
-        prefix_hash=b"\xcd" * 16, output_text_hash=b"\xef" * 16, created_at=1.8e9, updated_at=1.8e9,
+        prefix_hash=b"\xcd" * 16, created_at=1.8e9, updated_at=1.8e9,
     )
 
 
