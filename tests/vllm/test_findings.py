@@ -106,7 +106,7 @@ def test_a_zero_token_handle_frees_d_blocks_even_while_d_is_busy(engines):
     _, handle = first_turn(engines.prefill, d, words(1000))              # 9 blocks pinned on D
     pinned_at = time.monotonic()
     assert d.kv_usage() > 0
-    busy = [threading.Thread(target=complete, args=(d, words(100), 1800), kwargs={"timeout_s": 120})
+    busy = [threading.Thread(target=complete, args=(d, words(100), 600), kwargs={"timeout_s": 120})
             for _ in range(3)]
     for thread in busy:
         thread.start()
