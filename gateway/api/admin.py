@@ -8,6 +8,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import msgspec
+from litestar.di import NamedDependency
 from litestar import Request, Response, delete, get, post
 from litestar.params import FromPath, FromQuery, JSONBody
 
@@ -25,8 +26,9 @@ def _authorize(request: Request, settings: Settings) -> None:
 
 
 @get("/admin/conversations/{session_id:str}")
-async def get_conversation(session_id: FromPath[str], request: Request, settings: Settings,
-                           conversations: ConversationAdmin, tenant: FromQuery[str] = DEFAULT_TENANT) -> dict[str, Any]:
+async def get_conversation(session_id: FromPath[str], request: Request, settings: NamedDependency[Settings],
+                           conversations: NamedDependency[ConversationAdmin],
+                           tenant: FromQuery[str] = DEFAULT_TENANT) -> dict[str, Any]:
     _authorize(request, settings)
     found = await conversations.describe(ConversationKey(tenant, session_id))
     if found is None:
@@ -35,8 +37,9 @@ async def get_conversation(session_id: FromPath[str], request: Request, settings
 
 
 @delete("/admin/conversations/{session_id:str}", status_code=200)
-async def delete_conversation(session_id: FromPath[str], request: Request, settings: Settings,
-                              conversations: ConversationAdmin, tenant: FromQuery[str] = DEFAULT_TENANT) -> Response:
+async def delete_conversation(session_id: FromPath[str], request: Request, settings: NamedDependency[Settings],
+                              conversations: NamedDependency[ConversationAdmin],
+                              tenant: FromQuery[str] = DEFAULT_TENANT) -> Response:
     _authorize(request, settings)
     if not await conversations.delete(ConversationKey(tenant, session_id)):
         raise NotFoundError("no such conversation")
@@ -44,7 +47,8 @@ async def delete_conversation(session_id: FromPath[str], request: Request, setti
 
 
 @get("/admin/engines")
-async def engines(request: Request, settings: Settings, fleet: EngineAdmin) -> dict[str, Any]:
+async def engines(request: Request, settings: NamedDependency[Settings],
+                  fleet: NamedDependency[EngineAdmin]) -> dict[str, Any]:
     _authorize(request, settings)
     return {"engines": fleet.describe()}
 
@@ -55,8 +59,8 @@ class EngineChange(msgspec.Struct):
 
 
 @post("/admin/engines", status_code=201)
-async def add_engine(data: JSONBody[EngineChange], request: Request, settings: Settings,
-                     fleet: EngineAdmin) -> dict[str, Any]:
+async def add_engine(data: JSONBody[EngineChange], request: Request, settings: NamedDependency[Settings],
+                     fleet: NamedDependency[EngineAdmin]) -> dict[str, Any]:
     _authorize(request, settings)
     if urlsplit(data.url).scheme not in ("http", "https"):
         raise InvalidRequestError("url must be an http(s) URL", param="url")
@@ -65,7 +69,7 @@ async def add_engine(data: JSONBody[EngineChange], request: Request, settings: S
 
 @delete("/admin/engines", status_code=200)
 async def remove_engine(role: FromQuery[Literal["prefill", "decode"]], url: FromQuery[str], request: Request,
-                        settings: Settings, fleet: EngineAdmin) -> dict[str, Any]:
+                        settings: NamedDependency[Settings], fleet: NamedDependency[EngineAdmin]) -> dict[str, Any]:
     _authorize(request, settings)
     if not fleet.remove(role, url):
         raise NotFoundError("no such engine")

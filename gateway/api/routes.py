@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from litestar.di import NamedDependency
 from litestar import Request, Response, get, post
 from litestar.response.base import ASGIResponse
 from litestar.types import ASGIApp, Receive, Scope, Send
@@ -33,17 +34,18 @@ MAX_SESSION_CHARS = 256
 
 # Turns answer with ASGI responses of their own (`_respond`): Litestar hands them to the server as they are.
 @post("/v1/chat/completions", status_code=200)
-async def chat_completions(request: Request, gateway: Gateway) -> ASGIApp:
+async def chat_completions(request: Request, gateway: NamedDependency[Gateway]) -> ASGIApp:
     return await _turn(request, gateway, ChatRequest, gateway.intake.chat)
 
 
 @post("/v1/completions", status_code=200)
-async def completions(request: Request, gateway: Gateway) -> ASGIApp:
+async def completions(request: Request, gateway: NamedDependency[Gateway]) -> ASGIApp:
     return await _turn(request, gateway, CompletionRequest, gateway.intake.completion)
 
 
 @get("/v1/models")
-async def models(request: Request, api_keys: ApiKeys, intake: Intake) -> dict[str, Any]:
+async def models(request: Request, api_keys: NamedDependency[ApiKeys],
+                 intake: NamedDependency[Intake]) -> dict[str, Any]:
     api_keys.tenant_for(request.headers.get("authorization"))
     return {"object": "list", "data": [
         {"id": name, "object": "model", "owned_by": "pd-gateway"} for name in intake.served_models]}
@@ -55,13 +57,13 @@ async def health() -> dict[str, str]:
 
 
 @get("/ready")
-async def ready(readiness: Readiness) -> Response:
+async def ready(readiness: NamedDependency[Readiness]) -> Response:
     report = await readiness()
     return Response(report, status_code=200 if report["ready"] else 503)
 
 
 @get("/metrics", media_type="text/plain; version=0.0.4")
-async def metrics(metrics: Metrics) -> bytes:
+async def metrics(metrics: NamedDependency[Metrics]) -> bytes:
     return metrics.render()
 
 
