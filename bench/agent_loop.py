@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.compare import _common_prefix, _delta, _phase_means, p_stats, reset  # noqa: E402
 from bench.servers import Servers, metrics  # noqa: E402
-from tests.e2e.agent import AGENT_SIM, system_prompt, tool_result, tools  # noqa: E402
+from tests.e2e.agent import AGENT_SIM, add_tool_deltas, system_prompt, tool_result, tools  # noqa: E402
 
 GPU = ["--prefill-ms-per-token", "0.1", "--decode-ms-per-token", "2", "--transfer-ms-per-block", "0.05",
        "--stream-kv-params", "--num-blocks", "60000"]
@@ -93,11 +93,7 @@ class Agent:
                     output_ids += choice.get("token_ids") or []
                     delta = choice.get("delta") or {}
                     content += delta.get("content") or ""
-                    for tc in delta.get("tool_calls") or ():
-                        if tc["index"] == len(calls):
-                            calls.append({"id": tc["id"], "type": "function",
-                                          "function": {"name": tc["function"]["name"], "arguments": ""}})
-                        calls[tc["index"]]["function"]["arguments"] += (tc.get("function") or {}).get("arguments") or ""
+                    add_tool_deltas(calls, delta.get("tool_calls"))
         return StepResult(ttft or 0.0, prompt_ids, output_ids, plan), content, calls
 
 

@@ -5,7 +5,6 @@ VLLM_SERVER_DEV_MODE=1), and how it tokenizes a chat."""
 from __future__ import annotations
 
 import asyncio
-import re
 from typing import Any
 
 import msgspec
@@ -16,7 +15,6 @@ from gateway.engines.client import EngineClient
 from gateway.engines.pool import Engine
 from gateway.errors import GatewayError
 
-_BLOCK_SIZE = re.compile(rb'vllm:cache_config_info\{[^}]*block_size="(\d+)"')
 PROBE_TIMEOUT_S = 3.0
 PINNED_PROBE_TIMEOUT_S = 15.0       # it generates a token: an engine's first request can be slow
 PINNED_IDS = "pinned_ids"           # Engine.info key: True once the engine is proven to use pinned prompt ids
@@ -36,12 +34,13 @@ async def probe(client: EngineClient, engine: Engine) -> dict[str, Any]:
             info["max_model_len"] = min(lengths)
     if version:
         info["version"] = _json(version).get("version")
-    if metrics and (match := _BLOCK_SIZE.search(metrics)):
-        info["block_size"] = int(match.group(1))
-    if metrics and (blocks := kv_capacity(metrics.decode("utf-8", "replace")).num_gpu_blocks):
-        info["num_gpu_blocks"] = blocks           # D's pin budget is a fraction of it
-    if server_info and (kv := kv_transfer_of(_json(server_info))) is not None:
-        info["kv_transfer"] = kv
+    capacity = kv_capacity(metrics.decode("utf-8", "replace")) if metrics else None
+    if capacity and capacity.block_size:
+        info["block_size"] = capacity.block_size
+    if capacity and capacity.num_gpu_blocks:
+        info["num_gpu_blocks"] = capacity.num_gpu_blocks      # D's pin budget is a fraction of it
+    if server_info and (transfer := kv_transfer_of(_json(server_info))) is not None:
+        info["kv_transfer"] = transfer
     engine.info.update(info)
     return info
 
@@ -64,14 +63,9 @@ def kv_transfer_of(server_info: dict[str, Any]) -> dict[str, Any] | None:
 async def tokenize_chat(client: EngineClient, engine: Engine, messages: list[dict[str, Any]],
                         model: str | None) -> list[int] | None:
     """The engine's own rendering of `messages` (POST /tokenize, messages form), or None if it has none."""
-    body: dict[str, Any] = {"messages": messages, "add_generation_prompt": True}
-    if model:
-        body["model"] = model
-    try:
-        answer = await client.post_json(engine.url, "/tokenize", body, timeout_s=PROBE_TIMEOUT_S)
-    except GatewayError:
-        return None
-    tokens = answer.get("tokens")
+    answer = await _ask(client, engine, "/tokenize", {"messages": messages, "add_generation_prompt": True},
+                        model, PROBE_TIMEOUT_S)
+    tokens = answer.get("tokens") if answer else None
     return tokens if isinstance(tokens, list) else None
 
 
@@ -81,15 +75,10 @@ async def honours_pinned_ids(client: EngineClient, engine: Engine, messages: lis
     0.32+, docs/protocol.md §5). `pinned` must differ from the messages' rendering: the engine is asked for one
     token and its echoed prompt says which it used. True: the pinned ids; False: it rendered (or used something
     else); None: no usable answer. Only True proves anything."""
-    body: dict[str, Any] = {"messages": messages, "max_tokens": 1, "stream": False, "return_token_ids": True,
-                            kv.WIRE_KEY: kv.pinned_only(pinned)}
-    if model:
-        body["model"] = model
-    try:
-        answer = await client.post_json(engine.url, "/v1/chat/completions", body, timeout_s=PINNED_PROBE_TIMEOUT_S)
-    except GatewayError:
-        return None
-    echoed = answer.get("prompt_token_ids")
+    body = {"messages": messages, "max_tokens": 1, "stream": False, "return_token_ids": True,
+            kv.WIRE_KEY: kv.pinned_only(pinned)}
+    answer = await _ask(client, engine, "/v1/chat/completions", body, model, PINNED_PROBE_TIMEOUT_S)
+    echoed = answer.get("prompt_token_ids") if answer else None
     return echoed == pinned if isinstance(echoed, list) else None
 
 
@@ -113,5 +102,15 @@ def _json(payload: bytes) -> dict[str, Any]:
 async def _get(client: EngineClient, url: str, path: str) -> bytes | None:
     try:
         return await client.get(url, path, timeout_s=PROBE_TIMEOUT_S)
+    except GatewayError:
+        return None
+
+
+async def _ask(client: EngineClient, engine: Engine, path: str, body: dict[str, Any], model: str | None,
+               timeout_s: float) -> dict[str, Any] | None:
+    """POST a probe (naming the served model when known); None when the engine gives no usable answer."""
+    try:
+        return await client.post_json(engine.url, path, {**body, "model": model} if model else body,
+                                      timeout_s=timeout_s)
     except GatewayError:
         return None

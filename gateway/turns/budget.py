@@ -12,7 +12,7 @@ per gateway process, pins.py says why) and does the releasing (state.py: out of 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 EVICTED = "evicted"   # reason code of a turn whose handle the budget released; label of the released counter
@@ -22,7 +22,7 @@ OFF = 0.0             # decode_pin_budget 0: no budget, handles live until D's T
 @dataclass(frozen=True)
 class Pin:
     """One stored handle on a D."""
-    key: str              # the conversation it belongs to
+    key: Hashable         # the conversation it belongs to (ordered too: it breaks ties in last use)
     tokens: int           # tokens of KV D holds behind it (R)
     last_used: float      # when a turn last stored or claimed it (any clock, one per D)
     claimed: bool = False  # a turn is reading it now
@@ -30,7 +30,7 @@ class Pin:
 
 @dataclass(frozen=True)
 class Decision:
-    release: tuple[str, ...]   # keys of idle handles to release now, least recently used first
+    release: tuple[Hashable, ...]   # keys of idle handles to release now, least recently used first
     keep_new: bool             # False: the new handle alone exceeds the budget; release it rather than store it
     pinned_blocks: int         # blocks pinned on D once the decision is carried out
     budget_blocks: int | None  # None: no budget (off, or D's capacity unknown)
@@ -61,7 +61,7 @@ class PinBudget:
     def pinned_blocks(self, pins: Iterable[Pin]) -> int:
         return sum(blocks(p.tokens, self.block_size) for p in pins)
 
-    def admit(self, pins: Iterable[Pin], key: str, tokens: int, num_gpu_blocks: int | None) -> Decision:
+    def admit(self, pins: Iterable[Pin], key: Hashable, tokens: int, num_gpu_blocks: int | None) -> Decision:
         """Store a new handle of `tokens` for conversation `key` on a D whose stored handles are `pins`: which
         idle handles to release first. A pin of the same key is being replaced (its turn consumed it): not
         counted and not released here."""
@@ -73,7 +73,7 @@ class PinBudget:
             return Decision((), True, pinned + need, None)
         if need > budget:                      # pinning it would evict everything else and still not fit
             return Decision((), False, pinned, budget)
-        released: list[str] = []
+        released: list[Hashable] = []
         idle = sorted((p for p in others if not p.claimed), key=lambda p: (p.last_used, p.key))
         for pin in idle:
             if pinned + need <= budget:

@@ -48,7 +48,8 @@ class Intake:
         self.context.check_tokens(len(ids), wanted, "messages")
         turn = self._turn("/v1/chat/completions", body, req, model, ids, request_id)
         if self.generated_history:
-            turn.rerender = lambda answers: self.renderer.render_chat(body["messages"], answers=answers, **template)
+            turn.rerender = lambda answers: self.renderer.render_chat(body["messages"], answers=answers,
+                                                                      rendered=text, **template)
         return turn
 
     def completion(self, body: dict[str, Any], req: Any, request_id: str) -> TurnRequest:

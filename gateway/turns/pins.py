@@ -58,10 +58,9 @@ class PinLedger:
         now, so a concurrent admit does not pick them again."""
         self._expire(now)
         on_engine = {k: e for k, e in self._pins.items() if e.engine == engine}
-        pins = [Pin(_name(k), e.tokens, e.last_used, e.claimed) for k, e in on_engine.items()]
-        decision = self.budget.admit(pins, _name(key), tokens, num_gpu_blocks)
-        by_name = {_name(k): k for k in on_engine}
-        victims = [Victim(by_name[n], on_engine[by_name[n]].turn, engine) for n in decision.release]
+        pins = [Pin(k, e.tokens, e.last_used, e.claimed) for k, e in on_engine.items()]
+        decision = self.budget.admit(pins, key, tokens, num_gpu_blocks)
+        victims = [Victim(k, on_engine[k].turn, engine) for k in decision.release]
         for victim in victims:
             self.drop(victim.key)
         return decision, victims
@@ -75,16 +74,9 @@ class PinLedger:
 
     def pinned_blocks(self, engine: str) -> int:
         return self.budget.pinned_blocks(
-            Pin("", e.tokens, e.last_used) for e in self._pins.values() if e.engine == engine)
-
-    def engines(self) -> set[str]:
-        return {e.engine for e in self._pins.values()}
+            Pin(k, e.tokens, e.last_used) for k, e in self._pins.items() if e.engine == engine)
 
     def _expire(self, now: float) -> None:
         # Past D's TTL the blocks are free, claimed or not (a claim whose turn never ended goes too).
         for key in [k for k, e in self._pins.items() if e.expires_at <= now]:
             del self._pins[key]
-
-
-def _name(key: ConversationKey) -> str:
-    return f"{key.tenant}\x00{key.session}"

@@ -89,19 +89,21 @@ class Renderer:
         return self.pieces.encode(text) if self.pieces is not None else TokenIds(self._encode_whole(text))
 
     def render_chat(self, messages: list[dict[str, Any]], *, answers: list[Answer] | None = None,
-                    **template: Any) -> list[int]:
+                    rendered: str | None = None, **template: Any) -> list[int]:
         """`answers`: past answers to send as the ids D generated (history_tokens "generated"); needs the
-        incremental encoder's cut at special tokens, else the text is encoded as usual."""
+        incremental encoder's cut at special tokens, else the text is encoded as usual. `rendered`: these
+        messages' template text, when the caller has it already (intake does), so it is not rendered again."""
+        text = rendered if rendered is not None else self.template(messages, **template)
         if answers and self.pieces is not None:
-            return self._spliced(messages, answers, template)
-        return self.encode(self.template(messages, **template))
+            return self._spliced(messages, text, answers, template)
+        return self.encode(text)
 
-    def _spliced(self, messages: list[dict[str, Any]], answers: list[Answer], template: dict[str, Any]) -> list[int]:
+    def _spliced(self, messages: list[dict[str, Any]], text: str, answers: list[Answer],
+                 template: dict[str, Any]) -> list[int]:
         """Assistant messages that carry the tool calls D generated are rendered as D's text (the template's
         re-rendering of the calls is not what D holds) and sent as D's ids, provided that is the only
         difference from the plain rendering: a template that rewrites past answers, or renders other messages
         differently once an assistant message has no tool_calls, keeps the plain rendering."""
-        text = self.template(messages, **template)
         generated = substitutions(messages, answers, self.decode)
         if generated:
             try:

@@ -134,8 +134,7 @@ class ConversationState:
         capacity = holder.info.get("num_gpu_blocks") if holder is not None else None
         decision, victims = self.pins.admit(engine, session, handle.num_tokens or 0, capacity, now)
         if not decision.keep_new:
-            self.releaser.release(handle, EVICTED)
-            self.metrics.handles_evicted.labels(engine).inc()
+            self._release_evicted(handle, engine)
             return None, None
         return handle, victims
 
@@ -148,9 +147,12 @@ class ConversationState:
             except StoreUnavailableError:
                 return                                 # still in the store: D frees it at its TTL
             if (handle := kv.from_store(wire)) is not None:
-                self.releaser.release(handle, EVICTED)
-                self.metrics.handles_evicted.labels(victim.engine).inc()
+                self._release_evicted(handle, victim.engine)
         await asyncio.gather(*(one(v) for v in victims))
+
+    def _release_evicted(self, handle: kv.Handle, engine: str) -> None:
+        self.releaser.release(handle, EVICTED)
+        self.metrics.handles_evicted.labels(engine).inc()
 
     def _report_pins(self, engine: str) -> None:
         """The gauge, and the D's pinned blocks where routing's used_kv reads them."""

@@ -137,9 +137,15 @@ def _streamed(chunks: Any) -> tuple[str | None, list[dict[str, Any]], list[int],
             output_ids += choice.get("token_ids") or []
             delta = choice["delta"]
             content += delta.get("content") or ""
-            for tc in delta.get("tool_calls") or ():
-                if tc["index"] == len(calls):
-                    calls.append({"id": tc["id"], "type": "function",
-                                  "function": {"name": tc["function"]["name"], "arguments": ""}})
-                calls[tc["index"]]["function"]["arguments"] += (tc.get("function") or {}).get("arguments") or ""
+            add_tool_deltas(calls, delta.get("tool_calls"))
     return content or None, calls, prompt_ids, output_ids, usage
+
+
+def add_tool_deltas(calls: list[dict[str, Any]], deltas: Any) -> None:
+    """A streamed chunk's tool-call deltas onto the calls so far: a new index brings id and name, every delta
+    a fragment of the arguments (as vLLM streams them)."""
+    for tc in deltas or ():
+        if tc["index"] == len(calls):
+            calls.append({"id": tc["id"], "type": "function",
+                          "function": {"name": tc["function"]["name"], "arguments": ""}})
+        calls[tc["index"]]["function"]["arguments"] += (tc.get("function") or {}).get("arguments") or ""

@@ -24,15 +24,8 @@ from tests.servers import Server, start
 from tests.vllm.chat import Chat, Turn
 from tests.vllm.conftest import HANDLE_TTL_MARGIN_S, ROOT
 from tests.vllm.engines import PIN_TTL_S, Engine, launch, wait_healthy
+from tests.vllm.test_pd import QUESTIONS
 
-QUESTIONS = [
-    "Hello there, how does a paged key value cache work in a serving engine?",
-    "Why are the blocks a fixed number of tokens?",
-    "What happens when the cache is full?",
-    "And how does prefix caching share blocks between requests?",
-    "Could you summarise all of that in one short paragraph?",
-    "Thank you, one last question: what is disaggregated prefill?",
-]
 MODES = ("rendered", "generated")
 
 

@@ -35,24 +35,28 @@ def test_single_turn_matches_a_co_located_engine(engines, gateway, stream):
     assert gateway_metric(gateway, "pdgw_turns_total", plan="full", reason="no_session") == before + 1
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-def test_conversation_reuses_d_kv_on_every_turn(engines, gateway, stream):
-    """Six turns; from turn 2 on P reads D's KV of the whole previous exchange and computes only the rest.
-    Streamed turns hand D's handle back through the plugin (plugins/vllm-pdgw-stream)."""
-    before = gateway_metric(gateway, "pdgw_turns_total", plan="reuse", reason="continuous")
-    bytes_before = engines.prefill.nixl_bytes()
-    c = chat(engines, gateway)
+def converse(c: Chat, stream: bool, first: str, first_reason: str) -> None:
+    """Six turns; from turn 2 on P reads D's KV of the whole previous exchange and computes only the rest."""
     for i, question in enumerate(QUESTIONS):
-        turn = c.say(question, stream=stream)
+        turn = c.say(first if i == 0 else question, stream=stream)
         assert turn.exact, f"turn {i + 1} differs from the co-located engine"
         if i == 0:
-            assert (turn.plan, turn.reason) == ("full", "first_turn")
+            assert (turn.plan, turn.reason) == ("full", first_reason)
             continue
         previous = c.turns[i - 1]
         held = len(previous.prompt_ids) + len(previous.token_ids) - 1
         assert (turn.plan, turn.reason, turn.reused) == ("reuse", "continuous", held)
         cached_on_p = len(previous.prompt_ids) // BLOCK_SIZE * BLOCK_SIZE    # P's own prefix cache
-        assert turn.prefill_loaded == held - cached_on_p, f"turn {i + 1}: P did not read D's KV"
+        assert turn.prefill_loaded == held - cached_on_p > 0, f"turn {i + 1}: P did not read D's KV"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_conversation_reuses_d_kv_on_every_turn(engines, gateway, stream):
+    """Streamed turns hand D's handle back through the plugin (plugins/vllm-pdgw-stream)."""
+    before = gateway_metric(gateway, "pdgw_turns_total", plan="reuse", reason="continuous")
+    bytes_before = engines.prefill.nixl_bytes()
+    c = chat(engines, gateway)
+    converse(c, stream, QUESTIONS[0], "first_turn")
     assert gateway_metric(gateway, "pdgw_turns_total", plan="reuse", reason="continuous") == before + 5
     read = sum(turn.prefill_loaded for turn in c.turns)
     assert engines.prefill.nixl_bytes() - bytes_before >= read * KV_BYTES_PER_TOKEN     # NIXL moved them
@@ -60,20 +64,9 @@ def test_conversation_reuses_d_kv_on_every_turn(engines, gateway, stream):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_conversation_without_session_id_is_found_by_its_tokens(engines, gateway, stream):
-    """No session id anywhere: from turn 2 on the gateway finds the conversation by its tokens (prefix lookup)
-    and P reads D's KV, answers still exact."""
-    c = chat(engines, gateway, session=None)
-    for i, question in enumerate(QUESTIONS):
-        turn = c.say(f"(sessionless, stream={stream}) {question}" if i == 0 else question, stream=stream)
-        assert turn.exact, f"turn {i + 1} differs from the co-located engine"
-        if i == 0:
-            assert (turn.plan, turn.reason) == ("full", "no_session")
-            continue
-        previous = c.turns[i - 1]
-        held = len(previous.prompt_ids) + len(previous.token_ids) - 1
-        assert (turn.plan, turn.reason, turn.reused) == ("reuse", "continuous", held)
-        cached_on_p = len(previous.prompt_ids) // BLOCK_SIZE * BLOCK_SIZE
-        assert turn.prefill_loaded == held - cached_on_p > 0, f"turn {i + 1}: P did not read D's KV"
+    """No session id anywhere: from turn 2 on the gateway finds the conversation by its tokens (prefix lookup)."""
+    converse(chat(engines, gateway, session=None), stream, f"(sessionless, stream={stream}) {QUESTIONS[0]}",
+             "no_session")
 
 
 def test_edited_history_falls_back_and_stays_exact(engines, gateway):
