@@ -37,7 +37,8 @@ from bench.gpu import wire  # noqa: E402
 TOP_K = 20                 # vLLM's default --max-logprobs
 FRESH = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
          "remote_block_ids": None, "remote_host": None, "remote_port": None}
-# mode: (target, with a session id?, fresh cache_salt on every request?)
+# mode: (target, with a session id?, fresh cache_salt on every request?); "gateway" runs `--reuse-policy always`,
+# "gateway_cost" the cost plan (`--reuse-policy cost`: reads D's KV only where that beats recomputing)
 MODES = {
     "reuse_warmP": ("gateway", True, False),    # P reads from D what its own cache lacks (the last answer)
     "reuse_coldP": ("gateway", True, True),     # P's cache misses (salt): P reads the whole history from D
@@ -45,6 +46,8 @@ MODES = {
     "full_coldP": ("gateway", False, True),     # stateless PD, P prefills everything
     "coloc_prefix": ("colocated", False, False),  # one engine alone with its prefix cache
     "coloc_full": ("colocated", False, True),   # one engine alone, full prefill
+    "cost_warmP": ("gateway_cost", True, False),  # the cost plan, P's prefix cache holds the last prompt
+    "cost_coldP": ("gateway_cost", True, True),   # the cost plan, P's cache misses: read or recompute, per turn
 }
 
 
@@ -220,14 +223,15 @@ def _count(keys) -> dict[str, int]:
 # ---------------------------------------------------------------------------------------------------------- ttft
 def one_turn(a, mode: str, messages: list[dict], session: str) -> dict[str, Any]:
     target_name, with_session, salted = MODES[mode]
-    target = a.gateway if target_name == "gateway" else a.colocated
-    engines = {"P": a.prefill, "D": a.decode} if target_name == "gateway" else {"C": a.colocated}
+    target = {"gateway": a.gateway, "gateway_cost": a.gateway_cost, "colocated": a.colocated}[target_name]
+    through_pd = target_name != "colocated"
+    engines = {"P": a.prefill, "D": a.decode} if through_pd else {"C": a.colocated}
     body = {"model": a.model_name, "messages": messages, "max_tokens": a.ttft_answer_tokens, "temperature": 0,
             "stream_options": {"include_usage": True}}
     if salted:
         body["cache_salt"] = uuid.uuid4().hex
     before = {k: wire.metrics(u) for k, u in engines.items()}
-    g0 = wire.metrics(a.gateway) if target_name == "gateway" else {}
+    g0 = wire.metrics(target) if through_pd else {}
     r = wire.stream_chat(target, body, {"X-Session-Id": session} if with_session else {})
     rec = {"status": r["status"], "error": r["error"], "ttft_ms": round((r["ttft"] or -1) * 1e3, 2),
            "total_ms": round(r["total"] * 1e3, 2), "prompt_tokens": (r["usage"] or {}).get("prompt_tokens"),
@@ -235,8 +239,8 @@ def one_turn(a, mode: str, messages: list[dict], session: str) -> dict[str, Any]
            "reused": r["headers"].get("x-pd-reused-tokens"), "text": r["text"]}
     for k, u in engines.items():
         rec[k] = wire.delta(before[k], wire.metrics(u))
-    if target_name == "gateway":
-        rec["gateway_ms"] = wire.gateway_phases(g0, wire.metrics(a.gateway))
+    if through_pd:
+        rec["gateway_ms"] = wire.gateway_phases(g0, wire.metrics(target))
     return rec
 
 
@@ -300,7 +304,8 @@ def table(records: list[dict]) -> dict[str, dict[str, Any]]:
                 return round(statistics.median(f(r) for r in rs), 3)
             engines = [k for k in ("P", "D", "C") if k in rs[0]]
             row = {"n": len(rs), "ttft_ms": med(lambda r: r["ttft_ms"]),
-                   "prompt_tokens": med(lambda r: r["prompt_tokens"] or 0)}
+                   "prompt_tokens": med(lambda r: r["prompt_tokens"] or 0),
+                   "plans": _count(f"{r['plan']}/{r['reason']}" for r in rs if r.get("plan"))}
             for k in engines:
                 for field in ("external_kv_transfer", "local_cache_hit", "local_compute", "nixl_bytes", "nixl_xfer_s",
                               "prefill_s"):
@@ -319,6 +324,7 @@ def main() -> None:
     ap.add_argument("--model-dir", required=True, help="the served model's folder (its tokenizer)")
     ap.add_argument("--model-name", default="pdgw-bench")
     ap.add_argument("--gateway", default="http://127.0.0.1:8000")
+    ap.add_argument("--gateway-cost", default="http://127.0.0.1:8001")
     ap.add_argument("--prefill", default="http://127.0.0.1:8100")
     ap.add_argument("--decode", default="http://127.0.0.1:8200")
     ap.add_argument("--colocated", default="http://127.0.0.1:8300")

@@ -20,7 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.gpu import logprob_distance as lp  # noqa: E402
 
-MODE_ORDER = ["reuse_warmP", "reuse_coldP", "full_warmP", "full_coldP", "coloc_prefix", "coloc_full"]
+MODE_ORDER = ["reuse_warmP", "reuse_coldP", "full_warmP", "full_coldP", "coloc_prefix", "coloc_full", "cost_warmP",
+              "cost_coldP"]
+# the cost plan against both fixed policies with P's cache in the same state: (cost, always, stateless)
+COST_PAIRS = [("cost_coldP", "reuse_coldP", "full_coldP"), ("cost_warmP", "reuse_warmP", "full_warmP")]
+COST_TOLERANCE = 0.10     # TTFT medians of one or two runs: within 10 % counts as equal
 
 
 def load(d: Path, name: str) -> Any:
@@ -106,7 +110,28 @@ def ttft_md(res: dict) -> list[str]:
             out.append(f"| {m} | {int(r['prompt_tokens'])} | {r['ttft_ms']:.1f} | {_eng(r, 'P')} | {_eng(r, 'D')} | "
                        f"{_eng(r, 'C', loaded=False)} | {mb:.0f} | {ms:.0f} | {_num(r.get('gw.prefill_ms'), 1)} | "
                        f"{_num(r.get('gw.decode_ttft_ms'), 1)} |")
-    out += [""] + cost_figures(res) + [""]
+    out += [""] + cost_figures(res) + [""] + cost_plan_md(t)
+    return out
+
+
+def cost_plan_md(t: dict) -> list[str]:
+    """Issue 17's target for the cost plan: TTFT never worse than stateless PD, and equal to reuse where reading
+    pays; per history length, with the plan the cost gateway chose on turn 2."""
+    out = []
+    for cost, always, stateless in COST_PAIRS:
+        if cost not in t:
+            continue
+        out += [f"### The cost plan ({cost}) against reading always ({always}) and stateless PD ({stateless})", "",
+                "| history | always ms | stateless ms | cost ms | cost / best of both | cost's plan on turn 2 | "
+                f"not worse than stateless (+{COST_TOLERANCE:.0%}) |", "|---|---|---|---|---|---|---|"]
+        for L in sorted(t[cost], key=int):
+            c, a, s = t[cost][L], t.get(always, {}).get(L), t.get(stateless, {}).get(L)
+            best = min(x["ttft_ms"] for x in (a, s) if x) if (a or s) else None
+            ok = "-" if not s else ("yes" if c["ttft_ms"] <= s["ttft_ms"] * (1 + COST_TOLERANCE) else "**no**")
+            plans = ", ".join(f"{k} x{n}" for k, n in (c.get("plans") or {}).items()) or "-"
+            out.append(f"| {int(c['prompt_tokens'])} | {_num(a and a['ttft_ms'], 1)} | {_num(s and s['ttft_ms'], 1)} | "
+                       f"{c['ttft_ms']:.1f} | {_num(best and c['ttft_ms'] / best, 2)} | {plans} | {ok} |")
+        out.append("")
     return out
 
 
@@ -124,7 +149,7 @@ def compare_md(runs: list[tuple[str, dict, dict | None]], prefill_rate: float | 
             cells = [_num(t[m].get(str(L), {}).get("ttft_ms"), 1) for m in modes]
             p = next((t[m][str(L)]["prompt_tokens"] for m in modes if str(L) in t[m]), L)
             out.append(f"| {int(p)} | " + " | ".join(cells) + " |")
-        out += [""] + cost_figures(res, prefill_rate) + [""]
+        out += [""] + cost_figures(res, prefill_rate) + [""] + cost_plan_md(t)
         corr = load(Path(folder_of[label]), "correctness.json") if label in folder_of else None
         if corr:
             out += ["Correctness in this configuration:", ""] + correctness_md(corr)[4:]

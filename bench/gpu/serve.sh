@@ -2,6 +2,9 @@
 # Start the GPU bench's processes, each in its own session (setsid), logs and pid files in $RUN:
 #   P  vLLM kv_producer  :8100 (NIXL side channel :5600)      D  vLLM kv_consumer :8200 (:5700)
 #   C  vLLM alone (no connector, prefix caching on) :8300     G  pd-gateway :8000 in front of P and D
+#   G2 a second pd-gateway :8001 in front of the same P and D, with the cost plan (`--reuse-policy cost`);
+#      G reads D's KV on every continuous turn (`--reuse-policy always`); both find conversations by session id
+#      only, so the stateless modes (no session id) stay stateless
 # and wait until all four answer /health. `bash bench/gpu/serve.sh stop` ends them (by their pid files).
 #
 #   MODEL=/path/to/model bash bench/gpu/serve.sh
@@ -24,10 +27,10 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 RUN=${RUN:-/tmp/pdgw-gpu}
 mkdir -p "$RUN"
-declare -A PORT=([P]=8100 [D]=8200 [C]=8300 [G]=8000)
+declare -A PORT=([P]=8100 [D]=8200 [C]=8300 [G]=8000 [G2]=8001)
 
 if [ "${1:-}" = stop ]; then
-  for n in G P D C; do [ -f "$RUN/$n.pid" ] && kill "$(cat "$RUN/$n.pid")" 2>/dev/null && echo "stopped $n"; done
+  for n in G G2 P D C; do [ -f "$RUN/$n.pid" ] && kill "$(cat "$RUN/$n.pid")" 2>/dev/null && echo "stopped $n"; done
   exit 0
 fi
 : "${MODEL:?set MODEL to the model folder}"
@@ -90,14 +93,20 @@ done
 echo "[$(( $(date +%s) - t0 ))s] engines up: $up"
 [ "$up" = PDC ] || { for n in P D C; do echo "== $n"; tail -20 "$RUN/$n.log"; done; exit 1; }
 
-if ! curl -sf -m 2 "http://127.0.0.1:${PORT[G]}/health" > /dev/null; then
+start_gateway() {  # name reuse_policy
+  local port=${PORT[$1]}
+  curl -sf -m 2 "http://127.0.0.1:$port/health" > /dev/null && return
   ( cd "$ROOT" && export PYTHONPATH="${GW_PATH:+$GW_PATH:}$ROOT"
     setsid "$GW_PY" -m gateway serve --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 \
-      --tokenizer "$MODEL" --host 127.0.0.1 --port "${PORT[G]}" --decoder-kv-blocks-ttl-s "$TTL_S" \
-      --health-interval-s 2 < /dev/null > "$RUN/G.log" 2>&1 & echo $! > "$RUN/G.pid" )
-fi
-for i in $(seq 1 60); do curl -sf -m 2 "http://127.0.0.1:${PORT[G]}/health" > /dev/null && break; sleep 1; done
-echo "[$(( $(date +%s) - t0 ))s] gateway: $(curl -s -m 2 "http://127.0.0.1:${PORT[G]}/health")"
+      --tokenizer "$MODEL" --host 127.0.0.1 --port "$port" --decoder-kv-blocks-ttl-s "$TTL_S" \
+      --health-interval-s 2 --reuse-policy "$2" --conversation-lookup session < /dev/null > "$RUN/$1.log" 2>&1 & echo $! > "$RUN/$1.pid" )
+}
+start_gateway G always
+start_gateway G2 cost
+for n in G G2; do
+  for i in $(seq 1 60); do curl -sf -m 2 "http://127.0.0.1:${PORT[$n]}/health" > /dev/null && break; sleep 1; done
+  echo "[$(( $(date +%s) - t0 ))s] gateway $n: $(curl -s -m 2 "http://127.0.0.1:${PORT[$n]}/health")"
+done
 ( cd "$ROOT" && PYTHONPATH="${GW_PATH:+$GW_PATH:}$ROOT" timeout 60 "$GW_PY" -m gateway check \
     --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --tokenizer "$MODEL" \
     --decoder-kv-blocks-ttl-s "$TTL_S" ) > "$RUN/check.txt" 2>&1

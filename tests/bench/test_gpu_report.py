@@ -38,3 +38,20 @@ def test_the_report_shows_every_section_and_flags_only_the_wrong_kv(tmp_path):
     assert " | 3 | 3 / 3 | " in rows["| **negative** control: shorter prompt, whole handle (tail alignment)"]
     assert " | 3 | 3 / 3 | " in rows["| **negative** control: another conversation's handle"]
     assert "reading KV beats recomputing it above 2.3" in text
+
+
+def _row(ms: float, plans: dict | None = None) -> dict:
+    return {"n": 1, "ttft_ms": ms, "prompt_tokens": 32000, "plans": plans or {}}
+
+
+def test_the_cost_plan_is_judged_against_stateless_and_reading_always():
+    from bench.gpu.report import cost_plan_md
+    table = {"reuse_coldP": {"32000": _row(1700)}, "full_coldP": {"32000": _row(1300)},
+             "cost_coldP": {"32000": _row(1320, {"full/recompute_faster": 2})},
+             "reuse_warmP": {"32000": _row(100)}, "full_warmP": {"32000": _row(120)},
+             "cost_warmP": {"32000": _row(200, {"reuse/continuous": 2})}}
+    lines = cost_plan_md(table)
+    cold = next(line for line in lines if line.startswith("| 32000") and "recompute_faster" in line)
+    warm = next(line for line in lines if line.startswith("| 32000") and "reuse/continuous" in line)
+    assert cold.endswith("| yes |") and " 1.02 " in cold          # 1320 / min(1700, 1300)
+    assert warm.endswith("| **no** |") and " 2.00 " in warm       # 200 ms against 120 stateless: a miss shows
