@@ -29,6 +29,7 @@ from gateway.startup import PinnedIdsProof, log_report
 from gateway.store import ConversationStore, open_store
 from gateway.telemetry import Metrics
 from gateway.tracing import Tracing, start_tracing
+from gateway.turns.calibration import PROBE_TEXT, RateProbe
 from gateway.turns.calls import EngineCalls
 from gateway.turns.conversations import ConversationAdmin
 from gateway.turns.fleet import EngineAdmin
@@ -44,6 +45,7 @@ from gateway.turns.turn import TurnRunner
 _PROVIDED = ("gateway", "settings", "metrics", "intake", "api_keys", "conversations", "fleet", "readiness")
 
 log = logging.getLogger("gateway")
+PROBE_STARTUP_WAIT_S = 20.0
 
 
 def create_app(settings: Settings, tracing: Tracing | None = None,
@@ -83,7 +85,7 @@ async def _lifespan(app: Litestar, settings: Settings, tracing: Tracing,
         renderer = Renderer(settings.tokenizer, settings.chat_template)
         report = await startup_report(client, prefill, decode, renderer, store, settings)
         log_report(report)
-        health.on_readmit = PinnedIdsProof(client, renderer, settings.model).engine_back
+        health.on_readmit.append(PinnedIdsProof(client, renderer, settings.model).engine_back)
         models, block_size = report.models, report.block_size
         state.intake = Intake(renderer, models, settings.max_messages, settings.history_tokens,
                               report.max_model_len)
@@ -95,6 +97,8 @@ async def _lifespan(app: Litestar, settings: Settings, tracing: Tracing,
         registry = EngineRegistry(prefill, decode, health, state.metrics)
         state.fleet = EngineAdmin(prefill, decode, registry)
         checker = asyncio.create_task(health.run())
+        probing = await _calibrated(runner, prefill, decode, renderer, health, state.metrics, settings,
+                                    models[0] if models else "")
         gc.freeze()      # start-up's objects (transformers, jinja, ...) leave the collector's scans for good
         reloading = _reload_on_sighup(registry, reload) if reload else contextlib.nullcontext()
         try:
@@ -102,6 +106,8 @@ async def _lifespan(app: Litestar, settings: Settings, tracing: Tracing,
                 yield
         finally:
             checker.cancel()
+            if probing is not None:
+                probing.cancel()
             await runner.drain()
             await store.close()
             tracing.shutdown()
@@ -124,6 +130,22 @@ def _runner(client: EngineClient, prefill: EnginePool, decode: EnginePool, store
                               block_size=block_size, renderer=renderer, pins=pins)
     return TurnRunner(client=client, prefill=prefill, decode=decode, state=state, calls=calls, releaser=releaser,
                       metrics=metrics, settings=settings, tracing=tracing)
+
+
+async def _calibrated(runner: TurnRunner, prefill: EnginePool, decode: EnginePool, renderer: Renderer,
+                      health: HealthChecker, metrics: Metrics, settings: Settings, model: str) -> asyncio.Task | None:
+    """Under the cost plan, the rates it weighs: probed per P-D pair before serving (at most a few seconds'
+    wait), then kept fresh in the background. None when there is nothing to calibrate."""
+    metrics.learned_rates.source = runner.rates.known
+    if settings.reuse_policy != "cost" or not settings.rate_probe_tokens:
+        return None
+    probe = RateProbe(client=runner.client, calls=runner.calls, prefill=prefill, decode=decode, rates=runner.rates,
+                      releaser=runner.releaser, vocabulary=renderer.encode(PROBE_TEXT), model=model,
+                      settings=settings)
+    health.on_readmit.append(probe.engine_back)
+    task = asyncio.create_task(probe.run())
+    await probe.wait_first_pass(PROBE_STARTUP_WAIT_S)
+    return task
 
 
 @contextlib.contextmanager

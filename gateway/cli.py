@@ -31,6 +31,8 @@ HELP = {
     "history_tokens": "generated (default: past answers as D's own ids) or rendered (as their text, re-encoded)",
     "decode_load_bound": "outstanding requests above which a conversation leaves its D",
     "reuse_policy": "cost: send D's handle only where P reading it beats recomputing (learned rates); always",
+    "rate_probe_tokens": "under reuse_policy cost: tokens of the calibration read per P-D pair at start-up and after (0: none, rates learned from turns only)",
+    "rate_probe_interval_s": "how often each P-D pair's calibration read is repeated",
     "prefill_affinity": "prefer the P that prefilled the conversation's last turn (its prefix cache holds that prompt)",
     "prefill_affinity_slack_tokens": "keep that P while its queued prompt tokens exceed the least loaded P's by at most this",
     "pd_headers": "send X-PD-Plan / X-PD-Reason / X-PD-Reused-Tokens",

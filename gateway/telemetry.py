@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # The gateway's own time per turn is sub-millisecond when all is well: fine buckets there, coarse above.
@@ -50,9 +52,27 @@ class Metrics:
         self.handles_evicted = Counter(
             "pdgw_handles_evicted", "Idle handles released to keep a D within its pin budget", ["engine"],
             registry=r)
+        self.learned_rates = LearnedRates()
+        r.register(self.learned_rates)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class LearnedRates:
+    """`pdgw_learned_rate_tokens_per_second{rate, prefill, decode}`: the cost plan's rates (P's prefill, P reading
+    D's KV), read from `source` at scrape time so the turns that update them pay nothing."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], list[tuple[str, str, str, float]]] = list
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("pdgw_learned_rate_tokens_per_second",
+                                   "The cost plan's learned rates: P's prefill, P reading D's KV",
+                                   labels=["rate", "prefill", "decode"])
+        for rate, prefill, decode, value in self.source():
+            family.add_metric([rate, prefill, decode], value)
+        yield family
 
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"

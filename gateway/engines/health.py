@@ -33,7 +33,7 @@ class HealthChecker:
         self._misses: dict[str, int] = {}
         self._answered_at: dict[str, float] = {}
         # Called (synchronously) when an engine comes back healthy: what was proven about it may have changed
-        self.on_readmit: Callable[[Engine], None] | None = None
+        self.on_readmit: list[Callable[[Engine], None]] = []
 
     async def check_all(self) -> None:
         engines = [e for pool in self._pools for e in pool.engines.values()]
@@ -50,8 +50,8 @@ class HealthChecker:
                 if ok:
                     engine.readmit(now)      # back in rotation, but taking traffic gradually
                     engine.info.pop("num_gpu_blocks", None)    # maybe restarted with another KV size
-                    if self.on_readmit is not None:
-                        self.on_readmit(engine)
+                    for hook in self.on_readmit:
+                        hook(engine)
             engine.healthy = ok
             self._metrics.engine_healthy.labels(engine.role, engine.url).set(int(ok))
         await self._read_capacities(engines)

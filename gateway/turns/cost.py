@@ -102,6 +102,11 @@ class Rate:
         self._amount += self.weight * (amount - self._amount)
         self._seconds += self.weight * (seconds - self._seconds)
 
+    def reset(self, amount: float, seconds: float) -> None:
+        """A measurement to trust over what was learned (a calibration probe): the rate starts again from it."""
+        if amount > 0 and seconds > 0:
+            self._amount, self._seconds = amount, seconds
+
     @property
     def value(self) -> float | None:
         return self._amount / self._seconds if self._seconds else None

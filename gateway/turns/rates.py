@@ -1,6 +1,7 @@
 """What the gateway has learned of its engines' speeds, for the cost plan (`cost.py`): per P its prefill rate, per
-P-D pair the rate at which P reads that D's KV. Fed after every successful P leg from the leg's own timing; in
-memory, per gateway process (a restart, or another replica, learns again within a few turns).
+P-D pair the rate at which P reads that D's KV. Seeded, and refreshed every few minutes, by a calibration probe
+per pair (`calibration.py`), so that no turn has to pay for learning; fed after every successful P leg from the
+leg's own timing. In memory, per gateway process (a restart, or another replica, probes again at start-up).
 
 A P leg takes about computed / prefill rate + read / transfer rate, plus a small fixed part (HTTP, P's one
 decode step) that the rates absorb. A leg that read nothing teaches P's prefill rate; a leg that read teaches the
@@ -28,6 +29,14 @@ from gateway.turns.cost import PairCosts, Rate
 MIN_READ_TOKENS = 64
 _READ_SEEN_S = 0.005    # beyond twice the expected compute time, this much more means a read happened
 _SHORTEST_S = 1e-4      # a read hidden in the timing noise: "very fast", not "unknown"
+
+
+@dataclass(frozen=True)
+class ProbeSample:
+    """What a calibration probe measured on one P-D pair: P computing `tokens` and P reading as many from D."""
+    tokens: int
+    compute_s: float
+    read_s: float
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,18 @@ class Rates:
         its new part: P's cache was cold (evicted, prefix caching off) and P read the history from D. P's report
         cannot tell on such a leg (it may count loaded tokens as cached), the time can."""
         return prefill_rate is not None and leg.seconds > 2 * computed / prefill_rate + _READ_SEEN_S
+
+    def calibrate(self, prefill: str, holder: str, sample: ProbeSample) -> None:
+        """A probe's measurement (`calibration.py`) replaces what the legs taught: it is taken in controlled
+        conditions, and it is how a pair that only recomputes learns that its transport got faster."""
+        self._rate(self._prefill, prefill).reset(sample.tokens, sample.compute_s)
+        self._rate(self._transfer, (prefill, holder)).reset(sample.tokens, sample.read_s)
+
+    def known(self) -> list[tuple[str, str, str, float]]:
+        """Every learned rate, for the metrics: (`prefill` or `read`, P, D or "", tokens/s)."""
+        rows = [("prefill", p, "", r.value) for p, r in self._prefill.items()]
+        rows += [("read", p, d, r.value) for (p, d), r in self._transfer.items()]
+        return [(kind, p, d, value) for kind, p, d, value in rows if value]
 
     def costs(self, prefill: str, holder: str) -> PairCosts:
         transfer = self._transfer.get((prefill, holder))

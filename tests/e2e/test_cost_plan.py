@@ -2,8 +2,9 @@
 processes on loopback, the sims timed like engines (prefill per token, KV transfer per block), in two regimes:
 
 - fast transport (reading a token 5x faster than computing it): the cost plan reads D's KV like `always`;
-- slow transport (reading 4x slower): the cost plan recomputes once it has timed a read, and its TTFT on later
-  turns is that of stateless PD, where `always` keeps paying for slow reads.
+- slow transport (reading 4x slower): the cost plan recomputes from the first later turn on (its start-up probe
+  timed a read already), and its TTFT is that of stateless PD, where `always` keeps paying for slow reads;
+- a transport that gets faster while the cost plan recomputes: the next probe notices, and turns read again.
 
 P runs without prefix caching: its cache never holds the history (another P, or evicted), so every later turn
 is a real choice between reading and recomputing. (With P's cache expected warm the cost plan still sends the
@@ -19,6 +20,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import httpx
 import openai
 import pytest
 
@@ -30,7 +32,8 @@ pytestmark = pytest.mark.integration
 PREFILL_MS_PER_TOKEN = 0.1                   # 10k tokens/s
 FAST_MS_PER_BLOCK, SLOW_MS_PER_BLOCK = 0.32, 6.4     # blocks of 16: 50k and 2.5k tokens/s
 TURNS = 8
-LATER = slice(3, None)                       # turns 4..8: after one full leg, P's cache checked, one read timed
+LATER = slice(1, None)                       # every turn after the first
+PROBE = ["--rate-probe-tokens", "1024"]      # the calibration read: 64 blocks (0.4 s on the slow transport)
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
 
@@ -48,7 +51,7 @@ class Engines:
 
 
 @contextlib.contextmanager
-def engines(transfer_ms_per_block: float) -> Iterator[Engines]:
+def engines(transfer_ms_per_block: float, *cost_flags: str) -> Iterator[Engines]:
     servers: list[Server] = []
 
     def launch(args: list[str]) -> Server:
@@ -61,7 +64,7 @@ def engines(transfer_ms_per_block: float) -> Iterator[Engines]:
         p = launch(["sim", "--role", "prefill", "--engine-id", "p0", "--no-prefix-caching", *timing])
         d = launch(["sim", "--role", "decode", "--engine-id", "d0", "--stream-kv-params", *timing])
         gateways = [launch(["serve", "--prefill", p.url, "--decode", d.url, "--health-interval-s", "0.5", *flags])
-                    for flags in (["--reuse-policy", "cost"], ["--reuse-policy", "always"],
+                    for flags in (["--reuse-policy", "cost", *PROBE, *cost_flags], ["--reuse-policy", "always"],
                                   ["--conversation-lookup", "session"])]
         yield Engines(p, d, *gateways)
     finally:
@@ -148,11 +151,44 @@ def test_slow_transport_recomputes_and_is_never_worse_than_stateless():
         why = report(cost, always, stateless)
         print(why)                                   # with -s: the numbers behind the verdict
         assert e.corrupt() == 0
-    # turn 2 reads once (no read timed on the pair yet); from turn 4 at the latest P recomputes
-    assert cost.plans()[1] == "reuse/continuous", why
-    assert cost.plans()[LATER] == ["full/recompute_faster"] * (TURNS - 3), why
-    assert always.plans()[LATER] == ["reuse/continuous"] * (TURNS - 3), why
+    # the start-up probe timed a read on the pair: no turn pays for learning that reads are slow here
+    assert cost.plans()[LATER] == ["full/recompute_faster"] * (TURNS - 1), why
+    assert always.plans()[LATER] == ["reuse/continuous"] * (TURNS - 1), why
     # Every later turn is planned as stateless PD plans it (P computes, no read), so their TTFTs differ by noise
     # only; on a shared 2-core machine single turns swing 2x either way, so medians are compared.
     assert median_ms(cost) <= median_ms(stateless) * 1.15 + 15, why
     assert median_ms(always) > median_ms(cost) * 1.5, why   # the regime is real: reading costs here
+
+
+def test_a_transport_that_gets_faster_is_noticed_by_the_next_probe():
+    with engines(SLOW_MS_PER_BLOCK, "--rate-probe-interval-s", "1") as e:
+        chat = Conversation(e.cost, uuid.uuid4().hex, seed=5)
+        for i in range(3):
+            chat.turn(i)
+        before = chat.plans()
+        rates = {}
+        for server in (e.prefill, e.decode):       # the same GPUs, now over a fast link
+            httpx.post(server.url + "/sim/timing", json={"transfer_ms_per_block": FAST_MS_PER_BLOCK}).raise_for_status()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:         # the probe runs every second: wait for its new figures
+            rates = learned_rates(e.cost)
+            if rates.get("read", 0) > rates.get("prefill", float("inf")) * 2:
+                break
+            time.sleep(0.2)
+        for i in range(3, 6):
+            chat.turn(i)
+        assert e.corrupt() == 0
+    assert before == ["full/first_turn"] + ["full/recompute_faster"] * 2, before
+    assert rates["read"] > rates["prefill"] * 2, rates
+    assert chat.plans()[3:] == ["reuse/continuous"] * 3, chat.plans()
+
+
+def learned_rates(gateway: Server) -> dict[str, float]:
+    """`pdgw_learned_rate_tokens_per_second` by rate (one P and one D here)."""
+    text = httpx.get(gateway.url + "/metrics").text
+    rates = {}
+    for line in text.splitlines():
+        if line.startswith("pdgw_learned_rate_tokens_per_second{"):
+            kind = line.split('rate="', 1)[1].split('"', 1)[0]
+            rates[kind] = float(line.rsplit(" ", 1)[1])
+    return rates

@@ -85,7 +85,7 @@ def test_an_engine_coming_back_healthy_is_handed_to_the_readmission_hook_once():
         back: list[str] = []
         async with aiohttp.ClientSession() as session:
             checker = HealthChecker(EngineClient(session), [pool], Metrics(), interval_s=0.05)
-            checker.on_readmit = lambda engine: back.append(engine.url)
+            checker.on_readmit.append(lambda engine: back.append(engine.url))
             await checks(checker, 3)
         await runner.cleanup()
         return back, url

@@ -1,0 +1,166 @@
+"""Calibration probes for the cost plan (issue 17): measure, per P-D pair, how fast P computes a prompt and how
+fast it reads the same tokens from D's KV, with requests of the gateway's own, before any turn has to pay for
+learning it; again every `rate_probe_interval_s`, and when an engine comes back (it may be another process, on
+another transport). So a pair whose reads are slow recomputes from its first later turn on, and a pair that only
+recomputes still notices a transport that got faster.
+
+One round, on /v1/completions with random token ids (no prefix cache anywhere holds them):
+  t0  P prefills K ids                                  the fixed part: HTTP, scheduling, one decode step
+  t1  P prefills N ids, holding them for D              t1 - t0: computing N - K tokens
+      D reads them from P and decodes one token         D now holds N tokens behind its handle
+  t3  P reads D's N tokens and computes K new ones      t3 - t0: reading N tokens
+Each time is the least over the rounds: noise only adds, and the first round pays the P-D handshake. A probe
+whose times stay within the fixed part's noise (engines without a timing model, such as untimed simulators) says
+nothing and the rates stay as they were. The last step's P answer is decoded by nobody: P frees its blocks
+after vLLM's `kv_lease_duration`, as for any abandoned prefill (a few thousand tokens for ~30 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from typing import Any
+
+from gateway.config import Settings
+from gateway.engines import kv
+from gateway.engines.client import EngineClient
+from gateway.engines.pool import Engine, EnginePool
+from gateway.errors import GatewayError
+from gateway.turns.calls import EngineCalls
+from gateway.turns.rates import MIN_READ_TOKENS, ProbeSample, Rates
+from gateway.turns.release import HandleReleaser
+
+log = logging.getLogger(__name__)
+
+ROUNDS = 2
+NEW_TOKENS = 16                 # K: what P computes on the read step, and the fixed part's prompt
+MIN_SIGNAL_S = 0.003            # below this, a difference is the fixed part's noise, not compute or transfer
+SHORTEST_S = 1e-4               # a part hidden in that noise: "very fast", not "unknown"
+CAPACITY_SHARE = 8              # a probe takes at most 1/8 of P's or D's KV blocks
+PROBE_TIMEOUT_S = 30.0
+TICK_S = 5.0                    # how often due pairs are looked for
+PROBE_TEXT = ("The quick brown fox jumps over the lazy dog while seven wizards quietly judge boxing matches; "
+              "pack my box with five dozen liquor jugs, then measure how long the KV cache takes to move.")
+
+
+def sample_of(tokens: int, fixed_s: float, compute_s: float, read_s: float) -> ProbeSample | None:
+    """One pair's rates from a probe's three times (each the least over the rounds); None: nothing measurable."""
+    computing, reading = compute_s - fixed_s, read_s - fixed_s
+    if max(computing, reading) < MIN_SIGNAL_S:
+        return None
+    computing = max(SHORTEST_S, computing) * tokens / max(1, tokens - NEW_TOKENS)
+    return ProbeSample(tokens, computing, max(SHORTEST_S, reading))
+
+
+class RateProbe:
+    """Keeps every healthy P-D pair's rates calibrated: `run()` probes each pair when it is due."""
+
+    def __init__(self, *, client: EngineClient, calls: EngineCalls, prefill: EnginePool, decode: EnginePool,
+                 rates: Rates, releaser: HandleReleaser, vocabulary: list[int], model: str,
+                 settings: Settings) -> None:
+        self.client, self.calls, self.rates, self.releaser = client, calls, rates, releaser
+        self.prefill, self.decode, self.model = prefill, decode, model
+        self.tokens, self.interval_s = settings.rate_probe_tokens, settings.rate_probe_interval_s
+        self.vocabulary = sorted(set(vocabulary))
+        self.first_pass = asyncio.Event()
+        self._probed: dict[tuple[str, str], float] = {}      # pair -> when it was last probed (monotonic)
+        self._random = random.Random()
+
+    async def wait_first_pass(self, timeout_s: float) -> None:
+        """Start-up waits this long at most for every pair's first probe; probing goes on regardless."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.first_pass.wait(), timeout_s)
+
+    async def run(self) -> None:
+        while True:
+            await self.probe_due()
+            self.first_pass.set()
+            await asyncio.sleep(min(TICK_S, self.interval_s))
+
+    def engine_back(self, engine: Engine) -> None:
+        """The health checker's hook: an engine back in rotation is probed again on the next tick."""
+        for pair in [pair for pair in self._probed if engine.url in pair]:
+            del self._probed[pair]
+
+    async def probe_due(self) -> None:
+        now = time.monotonic()
+        for p in self.prefill.healthy():
+            for d in self.decode.healthy():
+                if now - self._probed.get((p.url, d.url), -self.interval_s) >= self.interval_s:
+                    self._probed[(p.url, d.url)] = now
+                    await self.probe(p, d)
+
+    async def probe(self, p: Engine, d: Engine) -> ProbeSample | None:
+        tokens = self._size(p, d)
+        if tokens < 4 * MIN_READ_TOKENS:
+            return None
+        times: list[tuple[float, float, float]] = []
+        try:
+            for _ in range(ROUNDS):
+                times.append(await self._round(p, d, tokens))
+        except (GatewayError, LookupError) as exc:
+            log.info("rate probe %s -> %s failed (%s): rates unchanged", p.url, d.url, exc)
+            return None
+        sample = sample_of(tokens, *(min(t[i] for t in times) for i in range(3)))
+        if sample is not None:
+            self.rates.calibrate(p.url, d.url, sample)
+        log.info("rate probe %s -> %s, %d tokens: %s", p.url, d.url, tokens, _described(sample))
+        return sample
+
+    def _size(self, p: Engine, d: Engine) -> int:
+        """The probe's N: the setting, within a share of either engine's KV and within the model's length."""
+        limits = [self.tokens]
+        for engine in (p, d):
+            blocks, block_size = engine.info.get("num_gpu_blocks"), engine.info.get("block_size")
+            if blocks and block_size:
+                limits.append(blocks * block_size // CAPACITY_SHARE)
+            if length := engine.info.get("max_model_len"):
+                limits.append(length - 2 * NEW_TOKENS)
+        return min(limits) if self.vocabulary else 0
+
+    async def _round(self, p: Engine, d: Engine, tokens: int) -> tuple[float, float, float]:
+        ids = self._ids(tokens)
+        fixed_s, _ = await self._timed(p, self._ids(NEW_TOKENS), kv.fresh_prefill())
+        compute_s, answer = await self._timed(p, ids, kv.fresh_prefill())
+        held = await self._read_by_decode(d, ids, kv.peek(answer))
+        try:
+            read_s, _ = await self._timed(p, ids + self._ids(NEW_TOKENS), kv.leg_params(held))
+        except GatewayError:
+            self.releaser.release(held, "probe")     # P may not have read it: free D's blocks
+            raise
+        return fixed_s, compute_s, read_s
+
+    async def _read_by_decode(self, d: Engine, ids: list[int], prefill_handle: kv.Handle | None) -> kv.Handle:
+        if prefill_handle is None:
+            raise LookupError("P returned no handle")
+        answer = await self._post(d, ids, kv.decode_params(prefill_handle))
+        held = kv.take(answer)
+        if held is None or held.num_tokens != len(ids):
+            if held is not None:
+                self.releaser.release(held, "probe")
+            raise LookupError("D returned no handle for the probe's tokens")
+        return held
+
+    async def _timed(self, p: Engine, ids: list[int], params: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+        began = time.perf_counter()
+        answer = await self._post(p, ids, params)
+        return time.perf_counter() - began, answer
+
+    async def _post(self, engine: Engine, ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
+        body = {"model": self.model, "prompt": ids, "max_tokens": 1, "stream": False, kv.WIRE_KEY: params}
+        return await self.calls.call(engine, self.client.post_json(
+            engine.url, "/v1/completions", body, timeout_s=PROBE_TIMEOUT_S), prompt_tokens=len(ids))
+
+    def _ids(self, n: int) -> list[int]:
+        return self._random.choices(self.vocabulary, k=n)
+
+
+def _described(sample: ProbeSample | None) -> str:
+    if sample is None:
+        return "nothing measurable (no timing above the fixed part)"
+    compute, read = sample.tokens / sample.compute_s, sample.tokens / sample.read_s
+    return (f"prefill {compute:,.0f} tokens/s, read {read:,.0f} tokens/s: "
+            f"{'reading' if read > compute else 'recomputing'} pays")

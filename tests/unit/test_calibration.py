@@ -1,0 +1,161 @@
+"""The cost plan's calibration probe (turns/calibration.py): the arithmetic of its three times, the requests it
+sends (a scripted engine client, real pools), and what it leaves behind when a step fails."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from gateway.config import Settings
+from gateway.engines.pool import EnginePool
+from gateway.errors import EngineFailedError
+from gateway.telemetry import Metrics
+from gateway.turns.calibration import NEW_TOKENS, RateProbe, sample_of
+from gateway.turns.calls import EngineCalls
+from gateway.turns.rates import PrefillTiming, ProbeSample, Rates
+from gateway.turns.release import HandleReleaser
+
+P, D = "http://p0", "http://d0"
+
+
+def test_an_untimed_engine_says_nothing():
+    assert sample_of(4096, fixed_s=0.002, compute_s=0.0035, read_s=0.004) is None
+
+
+def test_times_beyond_the_fixed_part_are_the_rates():
+    sample = sample_of(4096, fixed_s=0.010, compute_s=0.075, read_s=0.100)
+    assert sample.read_s == pytest.approx(0.090)
+    assert sample.compute_s == pytest.approx(0.065 * 4096 / (4096 - NEW_TOKENS))
+
+
+def test_a_read_hidden_in_the_noise_is_very_fast_not_unknown():
+    sample = sample_of(4096, fixed_s=0.010, compute_s=0.075, read_s=0.009)
+    assert sample.read_s > 0 and sample.tokens / sample.read_s > 10 * sample.tokens / sample.compute_s
+
+
+def test_a_probe_replaces_what_the_legs_taught():
+    rates = Rates()
+    for _ in range(5):    # full legs at 10k tokens/s
+        rates.observe(PrefillTiming(P, "", 1000, 0, 0, 0, 0.1))
+    rates.calibrate(P, D, ProbeSample(4000, compute_s=0.1, read_s=0.4))
+    costs = rates.costs(P, D)
+    assert costs.prefill_tokens_per_s == pytest.approx(40_000)
+    assert costs.transfer_tokens_per_s == pytest.approx(10_000)
+    assert sorted(kind for kind, *_ in rates.known()) == ["prefill", "read"]
+
+
+def test_learned_rates_are_exported_at_scrape_time():
+    metrics, rates = Metrics(), Rates()
+    metrics.learned_rates.source = rates.known
+    rates.calibrate(P, D, ProbeSample(4000, compute_s=0.1, read_s=0.4))
+    text = metrics.render().decode()
+    assert f'pdgw_learned_rate_tokens_per_second{{decode="{D}",prefill="{P}",rate="read"}} 10000.0' in text
+    assert f'pdgw_learned_rate_tokens_per_second{{decode="",prefill="{P}",rate="prefill"}} 40000.0' in text
+
+
+class Engines:
+    """P and D as the probe sees them: P hands out a handle for what it prefilled, D one for what it read."""
+
+    def __init__(self, fail_read: bool = False, d_handle: bool = True) -> None:
+        self.fail_read, self.d_handle = fail_read, d_handle
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+
+    async def post_json(self, url: str, path: str, body: dict[str, Any], **_: Any) -> dict[str, Any]:
+        self.calls.append((url, body))
+        params, n = body["kv_transfer_params"], len(body["prompt"])
+        if url == D:
+            handle = {"remote_engine_id": "d0", "remote_block_ids": [[1]], "remote_num_tokens": n}
+            return {"choices": [{}], **({"kv_transfer_params": handle} if self.d_handle else {})}
+        if params.get("remote_engine_id") == "d0":
+            if params.get("remote_num_tokens") == 0:
+                return {"choices": [{}]}                       # a release
+            if self.fail_read:
+                raise EngineFailedError("prefill failed")
+        return {"choices": [{}], "kv_transfer_params": {"remote_engine_id": "p0", "remote_block_ids": [[2]],
+                                                        "remote_num_tokens": n}}
+
+
+def probe_with(engines: Engines, **settings: Any) -> tuple[RateProbe, Rates, HandleReleaser]:
+    s = Settings(prefill=[P], decode=[D], **settings)
+    metrics, rates = Metrics(), Rates()
+    prefill, decode = EnginePool("prefill", s.prefill), EnginePool("decode", s.decode)
+    calls = EngineCalls(metrics)
+    releaser = HandleReleaser(engines, prefill, calls, metrics, "m")
+    probe = RateProbe(client=engines, calls=calls, prefill=prefill, decode=decode, rates=rates, releaser=releaser,
+                      vocabulary=list(range(100, 200)), model="m", settings=s)
+    return probe, rates, releaser
+
+
+async def probed(engines: Engines, **settings: Any) -> tuple[RateProbe, Rates, Any]:
+    probe, rates, releaser = probe_with(engines, **settings)
+    sample = await probe.probe(probe.prefill.engines[P], probe.decode.engines[D])
+    await releaser.drain()
+    return probe, rates, sample
+
+
+def test_one_round_prefills_then_d_reads_then_p_reads_d_s_tokens():
+    engines = Engines()
+    _, rates, sample = asyncio.run(probed(engines, rate_probe_tokens=512))
+    assert sample is None and rates.known() == []       # instant answers: nothing measurable, nothing changed
+    fixed, compute, decode, read = engines.calls[:4]
+    assert [url for url, _ in engines.calls] == [P, P, D, P] * 2
+    assert len(fixed[1]["prompt"]) == NEW_TOKENS and len(compute[1]["prompt"]) == 512
+    assert decode[1]["prompt"] == compute[1]["prompt"]
+    assert decode[1]["kv_transfer_params"]["remote_engine_id"] == "p0"
+    assert read[1]["prompt"][:512] == compute[1]["prompt"] and len(read[1]["prompt"]) == 512 + NEW_TOKENS
+    assert read[1]["kv_transfer_params"]["remote_num_tokens"] == 512
+    assert {id for _, body in engines.calls for id in body["prompt"]} <= set(range(100, 200))
+    rounds = [body["prompt"] for url, body in engines.calls if url == D]
+    assert rounds[0] != rounds[1]                       # fresh ids each round: no cache holds them
+
+
+def test_a_failed_read_releases_d_s_blocks_and_keeps_the_rates():
+    engines = Engines(fail_read=True)
+    _, rates, sample = asyncio.run(probed(engines, rate_probe_tokens=512))
+    assert sample is None and rates.known() == []
+    released = [body for url, body in engines.calls if body["kv_transfer_params"].get("remote_num_tokens") == 0]
+    assert len(released) == 1 and released[0]["kv_transfer_params"]["remote_engine_id"] == "d0"
+
+
+def test_no_handle_from_d_ends_the_probe():
+    engines = Engines(d_handle=False)
+    _, rates, sample = asyncio.run(probed(engines, rate_probe_tokens=512))
+    assert sample is None and [url for url, _ in engines.calls] == [P, P, D]
+
+
+@pytest.mark.parametrize("info, tokens", [
+    ({}, 4096),
+    ({"num_gpu_blocks": 1000, "block_size": 16}, 2000),       # an eighth of the smaller pool
+    ({"max_model_len": 2048}, 2048 - 2 * NEW_TOKENS),
+])
+def test_the_probe_fits_the_engines(info, tokens):
+    probe, _, _ = probe_with(Engines())
+    probe.decode.engines[D].info.update(info)
+    assert probe._size(probe.prefill.engines[P], probe.decode.engines[D]) == tokens
+
+
+def test_a_pool_too_small_for_a_measurable_read_is_not_probed():
+    engines = Engines()
+    probe, _, _ = probe_with(engines)
+    probe.decode.engines[D].info.update(num_gpu_blocks=64, block_size=16)
+    assert asyncio.run(probe.probe(probe.prefill.engines[P], probe.decode.engines[D])) is None
+    assert engines.calls == []
+
+
+def test_pairs_are_due_once_per_interval_and_again_when_an_engine_comes_back():
+    engines = Engines()
+    probe, _, _ = probe_with(engines, rate_probe_tokens=512, rate_probe_interval_s=3600)
+
+    async def passes() -> list[int]:
+        counts = []
+        for back in (False, False, True):
+            if back:
+                probe.engine_back(probe.decode.engines[D])
+            engines.calls.clear()
+            await probe.probe_due()
+            counts.append(len(engines.calls))
+        return counts
+    assert asyncio.run(passes()) == [8, 0, 8]
+
