@@ -4,7 +4,8 @@ learning it; again every `rate_probe_interval_s`, and when an engine comes back 
 another transport). So a pair whose reads are slow recomputes from its first later turn on, and a pair that only
 recomputes still notices a transport that got faster.
 
-One round, on /v1/completions with random token ids (no prefix cache anywhere holds them):
+One round, on /v1/completions with random token ids and a fresh `cache_salt` on every request (no prefix cache
+holds them: P must not find the ids it prefilled in step t1 when it reads them from D in step t3):
   t0  P prefills K ids                                  the fixed part: HTTP, scheduling, one decode step
   t1  P prefills N ids, holding them for D              t1 - t0: computing N - K tokens
       D reads them from P and decodes one token         D now holds N tokens behind its handle
@@ -150,7 +151,8 @@ class RateProbe:
         return time.perf_counter() - began, answer
 
     async def _post(self, engine: Engine, ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
-        body = {"model": self.model, "prompt": ids, "max_tokens": 1, "stream": False, kv.WIRE_KEY: params}
+        body = {"model": self.model, "prompt": ids, "max_tokens": 1, "stream": False, kv.WIRE_KEY: params,
+                "cache_salt": self._random.randbytes(8).hex()}
         return await self.calls.call(engine, self.client.post_json(
             engine.url, "/v1/completions", body, timeout_s=PROBE_TIMEOUT_S), prompt_tokens=len(ids))
 

@@ -108,7 +108,9 @@ def test_one_round_prefills_then_d_reads_then_p_reads_d_s_tokens():
     assert read[1]["kv_transfer_params"]["remote_num_tokens"] == 512
     assert {id for _, body in engines.calls for id in body["prompt"]} <= set(range(100, 200))
     rounds = [body["prompt"] for url, body in engines.calls if url == D]
-    assert rounds[0] != rounds[1]                       # fresh ids each round: no cache holds them
+    assert rounds[0] != rounds[1]                       # fresh ids each round
+    salts = [body["cache_salt"] for _, body in engines.calls]
+    assert len(set(salts)) == len(salts)                # and a fresh salt each request: P's own cache misses
 
 
 def test_a_failed_read_releases_d_s_blocks_and_keeps_the_rates():
