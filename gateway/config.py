@@ -68,7 +68,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     history_tokens: HistoryTokens = "generated"    # keeps D's KV when answers re-tokenize otherwise (vllm-findings)
     decode_load_bound: PositiveInt = 64            # outstanding requests above which affinity yields
     reuse_policy: ReusePolicy = "cost"             # "cost": send D's handle only where reading beats recomputing
-    rate_probe_tokens: Annotated[int, msgspec.Meta(ge=0)] = 4096  # the cost plan's calibration read; 0: no probes
+    rate_probe_tokens: Annotated[int, msgspec.Meta(ge=0)] = 8192  # the cost plan's calibration read; 0: no probes
     rate_probe_interval_s: Seconds = 300.0         # ... repeated this often per P-D pair
     prefill_affinity: bool = True                  # prefer the P that prefilled the conversation's last turn
     prefill_affinity_slack_tokens: int = 2048      # ... while within this many queued prompt tokens of the least loaded

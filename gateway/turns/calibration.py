@@ -5,15 +5,16 @@ another transport). So a pair whose reads are slow recomputes from its first lat
 recomputes still notices a transport that got faster.
 
 One round, on /v1/completions with random token ids and a fresh `cache_salt` on every request (no prefix cache
-holds them: P must not find the ids it prefilled in step t1 when it reads them from D in step t3):
-  t0  P prefills K ids                                  the fixed part: HTTP, scheduling, one decode step
-  t1  P prefills N ids, holding them for D              t1 - t0: computing N - K tokens
-      D reads them from P and decodes one token         D now holds N tokens behind its handle
-  t3  P reads D's N tokens and computes K new ones      t3 - t0: reading N tokens
-Each time is the least over the rounds: noise only adds, and the first round pays the P-D handshake. A probe
-whose times stay within the fixed part's noise (engines without a timing model, such as untimed simulators) says
-nothing and the rates stay as they were. The last step's P answer is decoded by nobody: P frees its blocks
-after vLLM's `kv_lease_duration`, as for any abandoned prefill (a few thousand tokens for ~30 s).
+holds them: P must not find the ids it prefilled when it reads them back from D), at two sizes n = N/4 and N:
+  compute(n)  P prefills n ids, holding them for D; D reads them from P and decodes one token (D now holds n)
+  read(n)     P reads D's n tokens and computes K new ones
+The rates are marginal, from the differences between the two sizes: what a P leg costs whatever it does (HTTP,
+scheduling, P's forward pass over the new tokens, NIXL's handshake and notification) cancels out. On an H200 in
+eager mode that fixed part is 60-90 ms, as large as computing 4k tokens, so a single size would hide the answer
+(bench/GPU-RESULTS.md). Each time is the least over the rounds: noise only adds, and the first round pays the P-D
+handshake. A probe whose differences stay within the noise (engines without a timing model, such as untimed
+simulators) says nothing, and the pair keeps the rates learned from its legs. The read legs' P answers are
+decoded by nobody: P frees those blocks after vLLM's `kv_lease_duration`, as for any abandoned prefill.
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ from gateway.turns.release import HandleReleaser
 log = logging.getLogger(__name__)
 
 ROUNDS = 2
-NEW_TOKENS = 16                 # K: what P computes on the read step, and the fixed part's prompt
-MIN_SIGNAL_S = 0.003            # below this, a difference is the fixed part's noise, not compute or transfer
+NEW_TOKENS = 16                 # K: what P computes on a read leg
+SMALL_SHARE = 4                 # the smaller size is N / 4
+MIN_PROBE_TOKENS = 4 * SMALL_SHARE * MIN_READ_TOKENS   # so that even the small read is 4x vLLM's recompute threshold
+MIN_SIGNAL_S = 0.003            # below this, a difference is noise, not compute or transfer
 SHORTEST_S = 1e-4               # a part hidden in that noise: "very fast", not "unknown"
 CAPACITY_SHARE = 8              # a probe takes at most 1/8 of P's or D's KV blocks
 PROBE_TIMEOUT_S = 30.0
@@ -47,13 +50,12 @@ PROBE_TEXT = ("The quick brown fox jumps over the lazy dog while seven wizards q
               "pack my box with five dozen liquor jugs, then measure how long the KV cache takes to move.")
 
 
-def sample_of(tokens: int, fixed_s: float, compute_s: float, read_s: float) -> ProbeSample | None:
-    """One pair's rates from a probe's three times (each the least over the rounds); None: nothing measurable."""
-    computing, reading = compute_s - fixed_s, read_s - fixed_s
+def sample_of(small: int, large: int, compute: tuple[float, float], read: tuple[float, float]) -> ProbeSample | None:
+    """The marginal rates between the two sizes, from (small, large) times of each kind; None: nothing measurable."""
+    computing, reading = compute[1] - compute[0], read[1] - read[0]
     if max(computing, reading) < MIN_SIGNAL_S:
         return None
-    computing = max(SHORTEST_S, computing) * tokens / max(1, tokens - NEW_TOKENS)
-    return ProbeSample(tokens, computing, max(SHORTEST_S, reading))
+    return ProbeSample(large - small, max(SHORTEST_S, computing), max(SHORTEST_S, reading))
 
 
 class RateProbe:
@@ -82,7 +84,9 @@ class RateProbe:
             await asyncio.sleep(min(TICK_S, self.interval_s))
 
     def engine_back(self, engine: Engine) -> None:
-        """The health checker's hook: an engine back in rotation is probed again on the next tick."""
+        """The health checker's hook: an engine back in rotation is probed again on the next tick; until then its
+        pairs go by what their legs teach."""
+        self.rates.forget(engine.url)
         for pair in [pair for pair in self._probed if engine.url in pair]:
             del self._probed[pair]
 
@@ -95,20 +99,22 @@ class RateProbe:
                     await self.probe(p, d)
 
     async def probe(self, p: Engine, d: Engine) -> ProbeSample | None:
-        tokens = self._size(p, d)
-        if tokens < 4 * MIN_READ_TOKENS:
+        large = self._size(p, d)
+        if large < MIN_PROBE_TOKENS:
             return None
-        times: list[tuple[float, float, float]] = []
+        small = large // SMALL_SHARE
+        rounds: list[list[float]] = []
         try:
             for _ in range(ROUNDS):
-                times.append(await self._round(p, d, tokens))
+                rounds.append([t for n in (small, large) for t in await self._legs(p, d, n)])
         except (GatewayError, LookupError) as exc:
             log.info("rate probe %s -> %s failed (%s): rates unchanged", p.url, d.url, exc)
             return None
-        sample = sample_of(tokens, *(min(t[i] for t in times) for i in range(3)))
+        c_small, r_small, c_large, r_large = (min(times) for times in zip(*rounds))
+        sample = sample_of(small, large, (c_small, c_large), (r_small, r_large))
         if sample is not None:
             self.rates.calibrate(p.url, d.url, sample)
-        log.info("rate probe %s -> %s, %d tokens: %s", p.url, d.url, tokens, _described(sample))
+        log.info("rate probe %s -> %s, %d and %d tokens: %s", p.url, d.url, small, large, _described(sample))
         return sample
 
     def _size(self, p: Engine, d: Engine) -> int:
@@ -119,12 +125,12 @@ class RateProbe:
             if blocks and block_size:
                 limits.append(blocks * block_size // CAPACITY_SHARE)
             if length := engine.info.get("max_model_len"):
-                limits.append(length - 2 * NEW_TOKENS)
+                limits.append(length - NEW_TOKENS - 1)
         return min(limits) if self.vocabulary else 0
 
-    async def _round(self, p: Engine, d: Engine, tokens: int) -> tuple[float, float, float]:
-        ids = self._ids(tokens)
-        fixed_s, _ = await self._timed(p, self._ids(NEW_TOKENS), kv.fresh_prefill())
+    async def _legs(self, p: Engine, d: Engine, n: int) -> tuple[float, float]:
+        """P computing n fresh ids, then (once D holds them) P reading them back from D: both leg times."""
+        ids = self._ids(n)
         compute_s, answer = await self._timed(p, ids, kv.fresh_prefill())
         held = await self._read_by_decode(d, ids, kv.peek(answer))
         try:
@@ -132,7 +138,7 @@ class RateProbe:
         except GatewayError:
             self.releaser.release(held, "probe")     # P may not have read it: free D's blocks
             raise
-        return fixed_s, compute_s, read_s
+        return compute_s, read_s
 
     async def _read_by_decode(self, d: Engine, ids: list[int], prefill_handle: kv.Handle | None) -> kv.Handle:
         if prefill_handle is None:

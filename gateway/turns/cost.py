@@ -39,7 +39,9 @@ class CostReason(StrEnum):
     NOTHING_TO_REUSE = "nothing_to_reuse"
 
 
-DEFAULT_MARGIN = 0.1        # read only when it is at least 10% faster: a learned rate is noisy
+# Read only when it is at least 20% faster: rates are estimates (a probe's at a few thousand tokens, a leg's with
+# its fixed part), and near the crossover recomputing, which is what stateless PD does, is the safe side.
+DEFAULT_MARGIN = 0.2
 
 
 @dataclass(frozen=True)
@@ -101,11 +103,6 @@ class Rate:
             return
         self._amount += self.weight * (amount - self._amount)
         self._seconds += self.weight * (seconds - self._seconds)
-
-    def reset(self, amount: float, seconds: float) -> None:
-        """A measurement to trust over what was learned (a calibration probe): the rate starts again from it."""
-        if amount > 0 and seconds > 0:
-            self._amount, self._seconds = amount, seconds
 
     @property
     def value(self) -> float | None:

@@ -33,7 +33,8 @@ _SHORTEST_S = 1e-4      # a read hidden in the timing noise: "very fast", not "u
 
 @dataclass(frozen=True)
 class ProbeSample:
-    """What a calibration probe measured on one P-D pair: P computing `tokens` and P reading as many from D."""
+    """What a calibration probe measured on one P-D pair: the time P takes to compute `tokens` more, and to read
+    as many more from D (marginal: a leg's fixed part taken out)."""
     tokens: int
     compute_s: float
     read_s: float
@@ -64,6 +65,7 @@ class Rates:
         self._prefill: dict[str, Rate] = {}
         self._transfer: dict[tuple[str, str], Rate] = {}
         self._cold: set[str] = set()    # Ps whose cache last held far less than estimated (evicted, or off)
+        self._calibrated: dict[tuple[str, str], PairCosts] = {}      # what the pair's last probe measured
 
     def observe(self, leg: PrefillTiming) -> None:
         reported = leg.cached_tokens if leg.handle_tokens == 0 else None    # see the module's docstring
@@ -90,18 +92,30 @@ class Rates:
         return prefill_rate is not None and leg.seconds > 2 * computed / prefill_rate + _READ_SEEN_S
 
     def calibrate(self, prefill: str, holder: str, sample: ProbeSample) -> None:
-        """A probe's measurement (`calibration.py`) replaces what the legs taught: it is taken in controlled
-        conditions, and it is how a pair that only recomputes learns that its transport got faster."""
-        self._rate(self._prefill, prefill).reset(sample.tokens, sample.compute_s)
-        self._rate(self._transfer, (prefill, holder)).reset(sample.tokens, sample.read_s)
+        """A probe's measurement (`calibration.py`) is what the pair's costs say until the next one: marginal
+        rates, where the legs' own timings carry each leg's fixed part (HTTP, scheduling, P's forward over the
+        new tokens: on an H200 as long as computing 4k tokens), which makes small legs look slow."""
+        self._calibrated[(prefill, holder)] = PairCosts(transfer_tokens_per_s=sample.tokens / sample.read_s,
+                                                       prefill_tokens_per_s=sample.tokens / sample.compute_s)
+
+    def forget(self, engine: str) -> None:
+        """An engine came back (maybe another process, on another transport): its calibrations no longer hold."""
+        for pair in [pair for pair in self._calibrated if engine in pair]:
+            del self._calibrated[pair]
 
     def known(self) -> list[tuple[str, str, str, float]]:
-        """Every learned rate, for the metrics: (`prefill` or `read`, P, D or "", tokens/s)."""
-        rows = [("prefill", p, "", r.value) for p, r in self._prefill.items()]
-        rows += [("read", p, d, r.value) for (p, d), r in self._transfer.items()]
+        """The rates each pair's plan weighs, for the metrics: (`prefill` or `read`, P, D, tokens/s); a P's
+        prefill rate learned from its legs alone has D "" (the pair has no calibration yet)."""
+        rows = []
+        for (p, d), costs in self._calibrated.items():
+            rows += [("prefill", p, d, costs.prefill_tokens_per_s), ("read", p, d, costs.transfer_tokens_per_s)]
+        rows += [("prefill", p, "", r.value) for p, r in self._prefill.items()]
+        rows += [("read", p, d, r.value) for (p, d), r in self._transfer.items() if (p, d) not in self._calibrated]
         return [(kind, p, d, value) for kind, p, d, value in rows if value]
 
     def costs(self, prefill: str, holder: str) -> PairCosts:
+        if calibrated := self._calibrated.get((prefill, holder)):
+            return calibrated
         transfer = self._transfer.get((prefill, holder))
         return PairCosts(transfer_tokens_per_s=transfer.value if transfer else None,
                          prefill_tokens_per_s=self.prefill_rate(prefill))

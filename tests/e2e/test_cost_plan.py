@@ -33,7 +33,7 @@ PREFILL_MS_PER_TOKEN = 0.1                   # 10k tokens/s
 FAST_MS_PER_BLOCK, SLOW_MS_PER_BLOCK = 0.32, 6.4     # blocks of 16: 50k and 2.5k tokens/s
 TURNS = 8
 LATER = slice(1, None)                       # every turn after the first
-PROBE = ["--rate-probe-tokens", "1024"]      # the calibration read: 64 blocks (0.4 s on the slow transport)
+PROBE = ["--rate-probe-tokens", "1024"]      # the calibration reads: 16 and 64 blocks (0.5 s on the slow transport)
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
 
@@ -184,11 +184,11 @@ def test_a_transport_that_gets_faster_is_noticed_by_the_next_probe():
 
 
 def learned_rates(gateway: Server) -> dict[str, float]:
-    """`pdgw_learned_rate_tokens_per_second` by rate (one P and one D here)."""
+    """The calibrated pair's `pdgw_learned_rate_tokens_per_second` by rate (one P and one D here)."""
     text = httpx.get(gateway.url + "/metrics").text
     rates = {}
     for line in text.splitlines():
-        if line.startswith("pdgw_learned_rate_tokens_per_second{"):
+        if line.startswith("pdgw_learned_rate_tokens_per_second{") and 'decode=""' not in line:
             kind = line.split('rate="', 1)[1].split('"', 1)[0]
             rates[kind] = float(line.rsplit(" ", 1)[1])
     return rates
