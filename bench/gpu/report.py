@@ -208,9 +208,11 @@ def plot(res: dict | None, corr: dict | None, runs: list[tuple[str, dict, dict |
         axes[0].set(xscale="log", yscale="log", xlabel="prompt tokens (turn 2)", ylabel="TTFT ms (median)",
                     title=f"TTFT by history length ({main_label})")
         axes[1].set(xscale="log", yscale="log", xlabel="prompt tokens (turn 2)", ylabel="TTFT ms (median)",
-                    title="P reads the history from D (reuse_coldP, solid)\nvs P recomputes it (full_coldP, dashed)")
-        for i, (label, r) in enumerate([(main_label, res)] + [(lb, rr) for lb, rr, _ in runs]):
-            for mode, style in (("reuse_coldP", "-"), ("full_coldP", "--")):
+                    title="P reads the history from D (reuse_coldP, solid) vs P recomputes it\n(full_coldP, dashed) "
+                          "vs the cost plan choosing (cost_coldP, dots)")
+        # the main run and the first compared one (the other regime): more would not read
+        for i, (label, r) in enumerate([(main_label, res)] + [(lb, rr) for lb, rr, _ in runs[:1]]):
+            for mode, style in (("reuse_coldP", "-"), ("full_coldP", "--"), ("cost_coldP", ":")):
                 rows = r["table"].get(mode, {})
                 pts = sorted((rows[L]["prompt_tokens"], rows[L]["ttft_ms"]) for L in rows)
                 if pts:
@@ -274,11 +276,13 @@ def main() -> None:
     ap.add_argument("--compare", action="append", default=[], metavar="LABEL=DIR",
                     help="another run's folder (its ttft.json), shown beside the main one")
     ap.add_argument("--notes", type=Path, help="hand-written Markdown placed under the title (findings)")
+    ap.add_argument("--correctness", type=Path, help="the folder whose correctness.json to show (default: --results)")
+    ap.add_argument("--transport", type=Path, help="the folder whose transport.json to show (default: --results)")
     ap.add_argument("--md", default="bench/GPU-RESULTS.md")
     ap.add_argument("--png", default="bench/gpu-results.png")
     a = ap.parse_args()
-    env, transport = load(a.results, "env.json"), load(a.results, "transport.json")
-    corr, ttft = load(a.results, "correctness.json"), load(a.results, "ttft.json")
+    env, transport = load(a.results, "env.json"), load(a.transport or a.results, "transport.json")
+    corr, ttft = load(a.correctness or a.results, "correctness.json"), load(a.results, "ttft.json")
     runs = []
     for item in a.compare:
         label, _, folder = item.rpartition("=")   # a label may hold "=", a folder rarely

@@ -68,6 +68,7 @@ class Turn:
     trace: TurnTrace = NO_TURN                         # its spans, when tracing is on
     tenant: str = DEFAULT_TENANT
     how: How = How.NEW                                 # how its conversation was found (X-PD-Conversation)
+    held_back: list[tuple[kv.Handle, str]] = field(default_factory=list)   # releases sent once D has answered
 
     def take(self, setback: LegSetback, step: Replan) -> None:
         """Apply the planner's answer to a setback: exclude the engine, spend a retry (or give up)."""
@@ -104,9 +105,10 @@ class TurnRunner:
             await self._plan(turn)
             self._observe("plan", turn.began)
             if turn.plan.release:
-                self.releaser.release(turn.plan.release, turn.plan.reason.value)
+                self._release_later(turn, turn.plan.release)
             return await self._legs(turn)
         except BaseException:
+            self._release_held_back(turn)
             turn.ticket.close()
             await self._abandon(turn)
             raise
@@ -199,6 +201,7 @@ class TurnRunner:
             turn.decode.url, turn.req.endpoint, body, timeout_s=self.settings.decode_first_byte_timeout_s,
             headers=self._headers(turn, "decode"), on_sent=turn.req.clock.decode_out,
             on_answer=turn.req.clock.decode_in))
+        self._release_held_back(turn)
         self._observe("decode_ttft", began)
         capture = DecodeCapture()
         view = capture.take(response, turn.req.want_token_ids)
@@ -228,6 +231,7 @@ class TurnRunner:
             while not done and (events := await stream.next_events()) is not None:
                 if first:
                     turn.req.clock.decode_in()
+                    self._release_held_back(turn)
                     self._observe("decode_ttft", began)
                     first = False
                 frames = []                  # the events of one read go out in one write
@@ -252,6 +256,7 @@ class TurnRunner:
             yield sse.frame(sse.DONE)
         finally:
             stream.close()           # on client disconnect too: closing the connection aborts the request on D
+            self._release_held_back(turn)
             turn.decode.outstanding_requests -= 1
             turn.ticket.close()
             if not recorded:
@@ -267,7 +272,7 @@ class TurnRunner:
         warm = self.rates.warm_tokens(prefill.url, record.prefill_engine, record.held_tokens)
         turn.plan = plans.by_cost(turn.plan, self.rates.costs(prefill.url, record.decode_engine), warm)
         if turn.plan.release:
-            self.releaser.release(turn.plan.release, turn.plan.reason.value)
+            self._release_later(turn, turn.plan.release)
         return prefill
 
     def _learn(self, turn: Turn, handle: kv.Handle | None, seconds: float) -> None:
@@ -305,6 +310,19 @@ class TurnRunner:
 
     async def drain(self) -> None:
         await self.releaser.drain()
+
+    # -- handles this turn will not use -----------------------------------------------------------------------
+    @staticmethod
+    def _release_later(turn: Turn, handle: kv.Handle) -> None:
+        """A claimed handle the plan will not read goes back once D has answered (or the turn ended): its
+        release is a request to P and a notification to D, and sent at planning time it landed in the engines'
+        steps while this turn's legs ran (+20-25 ms on D's first token at 4k tokens on an H200)."""
+        turn.held_back.append((handle, turn.plan.reason.value))
+
+    def _release_held_back(self, turn: Turn) -> None:
+        for handle, why in turn.held_back:
+            self.releaser.release(handle, why)
+        turn.held_back.clear()
 
     # -- small things --------------------------------------------------------------------------------------
     def _headers(self, turn: Turn, leg: Leg) -> dict[str, str]:

@@ -3,6 +3,7 @@ embedded store. One test per transition of plan.replan as the runner carries it 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +42,7 @@ class ScriptedClient:
 
     async def post_json(self, url: str, path: str, body: dict[str, Any], **_: Any) -> dict[str, Any]:
         self.calls.append((url, body))
+        await asyncio.sleep(0)           # the answer takes a trip: other tasks run meanwhile, as on a network
         outcome = self.script(url, body)
         if isinstance(outcome, GatewayError):
             raise outcome
@@ -62,7 +64,8 @@ def reads_d(body: dict[str, Any]) -> bool:
     return body["kv_transfer_params"].get("remote_engine_id") == "d0"
 
 
-async def run_turn(script: Script, *, retries: int = 2, proven: bool = False) -> tuple[ScriptedClient, TurnRunner, Any]:
+async def built(script: Script, *, retries: int = 2, proven: bool = False,
+                prompt: list[int] = PROMPT) -> tuple[ScriptedClient, TurnRunner, TurnRequest]:
     settings = Settings(prefill=["http://p0", "http://p1"], decode=["http://d0", "http://d1"], max_retries=retries,
                         prefill_affinity=False)
     store, metrics, client = MemoryConversationStore(), Metrics(), ScriptedClient(script)
@@ -81,7 +84,12 @@ async def run_turn(script: Script, *, retries: int = 2, proven: bool = False) ->
     runner = TurnRunner(client=client, prefill=prefill, decode=decode, state=state, calls=calls,
                         releaser=releaser, metrics=metrics, settings=settings)
     req = TurnRequest(endpoint="/v1/chat/completions", body={"model": "m", "messages": []}, model="m",
-                      prompt_ids=PROMPT, stream=False, want_token_ids=False, include_usage=False, request_id="r")
+                      prompt_ids=prompt, stream=False, want_token_ids=False, include_usage=False, request_id="r")
+    return client, runner, req
+
+
+async def run_turn(script: Script, **how: Any) -> tuple[ScriptedClient, TurnRunner, Any]:
+    client, runner, req = await built(script, **how)
     reply = await runner.run(req, KEY)
     await runner.drain()
     return client, runner, reply
@@ -195,3 +203,27 @@ async def test_a_salted_turn_without_a_session_id_is_not_looked_up_by_its_tokens
     assert await state.begin(request({"messages": [], "cache_salt": "user-7"}), None) == (None, None)
     found, _ = await state.begin(request({"messages": []}), None)
     assert found is not None and found.how == "new"
+
+
+DIVERGED = [1] + HISTORY[1:] + [7, 8, 9]         # differs from D's tokens in the first block: D's handle is unused
+
+
+def releases(client: ScriptedClient) -> list[int]:
+    """Where in the call sequence the zero-token releases of D's handle went."""
+    return [i for i, (_, body) in enumerate(client.calls) if body["kv_transfer_params"].get("remote_num_tokens") == 0]
+
+
+async def test_an_unused_handle_is_released_only_once_d_has_answered():
+    client, _, reply = await run_turn(by_leg(prefill_answer), prompt=DIVERGED)
+    assert reply.headers["X-PD-Reason"] == "prefix_diverged"
+    assert "://d" in client.calls[1][0]
+    assert releases(client) == [2]           # after P's leg and D's answer, not beside them
+
+
+async def test_an_unused_handle_is_released_when_the_turn_fails_too():
+    client, runner, req = await built(by_leg(prefill_answer, lambda url, body: EngineFailedError("500")),
+                                      prompt=DIVERGED, retries=0)
+    with pytest.raises(GatewayError):
+        await runner.run(req, KEY)
+    await runner.drain()
+    assert len(releases(client)) == 1
