@@ -123,8 +123,13 @@ def main(argv: list[str]) -> None:
 
 
 def run(args: argparse.Namespace, logs: Path, servers: list[Server]) -> None:
-    # Answers longer than kv_recompute_threshold (64 tokens), so P reads them from D instead of recomputing.
-    sim = ["--tokenizer", args.tokenizer, "--stream-kv-params", "--output-tokens", "80:120"]
+    # Answers longer than kv_recompute_threshold (64 tokens), so P reads them from D instead of recomputing. The
+    # engines are timed like a 3B model on an H200 whose KV moves over CUDA IPC, where reading D's KV is several
+    # times faster than computing it (bench/GPU-RESULTS.md), so the cost plan's probe finds, as there, that
+    # reading pays. Untimed sims answer at the speed of their own bookkeeping, where moving KV over HTTP costs
+    # more than "computing" it.
+    sim = ["--tokenizer", args.tokenizer, "--stream-kv-params", "--output-tokens", "80:120",
+           "--prefill-ms-per-token", "0.02", "--transfer-ms-per-block", "0.05"]
     prefill = start(["sim", "--role", "prefill", "--engine-id", "demo-p", *sim], log_dir=logs, name="prefill")
     servers.append(prefill)
     decode = start(["sim", "--role", "decode", "--engine-id", "demo-d", *sim], log_dir=logs, name="decode")

@@ -110,7 +110,9 @@ async def test_spans_per_turn_and_leg_and_traceparent_forwarded(proxies, caplog)
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     caplog.set_level(logging.INFO)
-    settings = Settings(prefill=[proxies[0].url], decode=[proxies[1].url], health_interval_s=60)
+    # reads whenever continuity allows (on untimed sims the cost plan's probe finds recomputing faster)
+    settings = Settings(prefill=[proxies[0].url], decode=[proxies[1].url], health_interval_s=60,
+                        reuse_policy="always")
     async with AsyncTestClient(create_app(settings, tracing=OtelTracing(provider))) as client:
         started = [len(proxy.seen) for proxy in proxies]     # start-up probes (P's pinned-ids proof) came before
         messages = []
