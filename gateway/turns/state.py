@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -93,8 +94,10 @@ class ConversationState:
         return found, self._claim(req, start)
 
     def send_claim(self, session: ConversationKey) -> asyncio.Task[TurnStart]:
-        """The session's `begin_turn`, under way as a task of its own (ClaimAhead)."""
-        return asyncio.ensure_future(self._timed("begin_turn", self.store.begin_turn(session, time.time())))
+        """The session's `begin_turn` as a task of its own (ClaimAhead), started eagerly where asyncio can
+        (Python 3.12+): its request is written before this returns, without giving the loop a turn (which, on
+        a busy loop, costs more than the overlap saves). On 3.11 it starts at the turn's next await, as before."""
+        return _eager_task(self._timed("begin_turn", self.store.begin_turn(session, time.time())))
 
     def put_back(self, session: ConversationKey, claim: asyncio.Future[TurnStart]) -> asyncio.Task[None]:
         """Undo a claim its turn did not take (a task of its own: a cancelled handler cannot stop it half-way)."""
@@ -253,6 +256,12 @@ class ConversationState:
             self.metrics.store_seconds.labels(op).observe(time.perf_counter() - began)
 
 
+def _eager_task(coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+    if sys.version_info >= (3, 12):
+        return asyncio.Task(coro, loop=asyncio.get_running_loop(), eager_start=True)
+    return asyncio.ensure_future(coro)
+
+
 class ClaimAhead:
     """A session turn's claim, sent to the store before the turn is parsed into its prompt, so that the store's
     round trip overlaps the rendering. `async with` it around everything up to the turn's `begin`: `begin`
@@ -271,7 +280,6 @@ class ClaimAhead:
         if self._session is None:
             return None
         self._claim = self._state.send_claim(self._session)
-        await asyncio.sleep(0)     # lets the claim's request leave before the rendering holds the loop
         return self
 
     async def take(self) -> TurnStart:

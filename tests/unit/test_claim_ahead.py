@@ -6,6 +6,7 @@ Over the Redis store's scripts (fakeredis): the embedded store claims in place, 
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any
 
 import pytest
@@ -38,8 +39,10 @@ class GatedStore(RedisConversationStore):
         self.gate = asyncio.Event()
         self.gate.set()
         self.down = False
+        self.begun = 0
 
     async def begin_turn(self, key: ConversationKey, now: float) -> Any:
+        self.begun += 1
         if self.down:
             raise StoreUnavailableError("down")
         start = await super().begin_turn(key, now)
@@ -182,3 +185,13 @@ async def test_admission_refusing_the_turn_in_the_runner_puts_the_claim_back():
     held.close()
     found, _ = await state.begin(request(20), KEY)
     assert found.start.handle_state == "claimed" and releaser.released == []
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="eager tasks: Python 3.12+ (on 3.11 the claim starts at the turn's first await)")
+async def test_the_claim_is_under_way_before_the_turn_is_rendered():
+    store = GatedStore()
+    state, _ = make_state(store)
+    async with state.claim_ahead(KEY) as ahead:
+        assert store.begun == 1                 # begin_turn ran up to its first wait, with no await in between
+        await state.begin(request(20), KEY, ahead=ahead)
+    assert store.begun == 1
