@@ -49,9 +49,9 @@ end
 """
 
 # KEYS[1] conversation; ARGV: now, inflight_timeout_s, ttl_ms, tenant prefix, session digest.
-# Returns {turn, handle_state, record or nil, handle or nil, handle_expires_at or nil}. Removing the handle in the same script as
-# reading it is what makes a handle single use across every gateway replica; its index entry goes with it,
-# so a lookup never offers a handle that is gone.
+# Returns {turn, handle_state, record or nil, handle or nil, handle_expires_at or nil}. Removing the handle in
+# the same script as reading it is what makes a handle single use across every gateway replica; its index
+# entry goes with it, so a lookup never offers a handle that is gone.
 BEGIN_TURN = _UNINDEX + """
 local now = tonumber(ARGV[1])
 local v = redis.call('HMGET', KEYS[1], 'record', 'handle', 'handle_expires_at',
@@ -85,9 +85,10 @@ return {started + 1, state, v[1], handle, expires_at}
 """
 
 # KEYS[1] conversation; ARGV: now, turn (the one whose record the lookup returned), ttl_ms, tenant prefix,
-# session digest. Returns {turn, record, handle, handle_expires_at} having claimed the handle as BEGIN_TURN does, or nil having
-# changed nothing: a conversation that moved on (a newer record), has a turn in flight, or whose handle is
-# claimed or dead is not touched, so a sessionless request can never disturb someone else's turn counters.
+# session digest. Returns {turn, record, handle, handle_expires_at} having claimed the handle as BEGIN_TURN
+# does, or nil having changed nothing: a conversation that moved on (a newer record), has a turn in flight, or
+# whose handle is claimed or dead is not touched, so a sessionless request can never disturb someone else's
+# turn counters.
 BEGIN_FOUND_TURN = _UNINDEX + """
 local turn = tonumber(ARGV[2])
 local v = redis.call('HMGET', KEYS[1], 'record', 'handle', 'handle_expires_at', 'started', 'finished')

@@ -55,7 +55,8 @@ def make_state(store: Any = None, capacity: int = 20, **settings: Any) -> tuple[
     decode = EnginePool("decode", settings_.decode)
     decode.get(D).info["num_gpu_blocks"] = capacity        # a budget of 10 blocks of 4 tokens
     releaser = Releaser()
-    state = ConversationState(store=GatedStore() if store is None else store, decode=decode, releaser=releaser,  # type: ignore[arg-type]
+    state = ConversationState(store=GatedStore() if store is None else store,  # type: ignore[arg-type]
+                              decode=decode, releaser=releaser,  # type: ignore[arg-type]
                               metrics=Metrics(), settings=settings_, block_size=BS, renderer=None,
                               pins=PinLedger(PinBudget(0.5, BS)))
     return state, releaser
@@ -175,9 +176,9 @@ async def test_admission_refusing_the_turn_in_the_runner_puts_the_claim_back():
     """As `api/routes.py` runs it: `run` admits the turn inside the block, and a 429 there leaves it untaken."""
     state, releaser = make_state(max_concurrent_turns=1)
     await turn(state, KEY)
-    runner = TurnRunner(client=None, prefill=EnginePool("prefill", ["http://p0"]), decode=state.decode_pool,  # type: ignore[arg-type]
-                        state=state, calls=EngineCalls(Metrics()), releaser=releaser, metrics=Metrics(),  # type: ignore[arg-type]
-                        settings=state.settings)
+    runner = TurnRunner(client=None, prefill=EnginePool("prefill", ["http://p0"]),  # type: ignore[arg-type]
+                        decode=state.decode_pool, state=state, calls=EngineCalls(Metrics()),
+                        releaser=releaser, metrics=Metrics(), settings=state.settings)  # type: ignore[arg-type]
     held = runner.admission.admit(10)                               # another turn holds the only slot
     with pytest.raises(OverloadedError):
         async with runner.claim_ahead(KEY) as ahead:
@@ -187,7 +188,8 @@ async def test_admission_refusing_the_turn_in_the_runner_puts_the_claim_back():
     assert found.start.handle_state == "claimed" and releaser.released == []
 
 
-@pytest.mark.skipif(sys.version_info < (3, 12), reason="eager tasks: Python 3.12+ (on 3.11 the claim starts at the turn's first await)")
+@pytest.mark.skipif(sys.version_info < (3, 12),
+                    reason="eager tasks: Python 3.12+ (on 3.11 the claim starts at the turn's first await)")
 async def test_the_claim_is_under_way_before_the_turn_is_rendered():
     store = GatedStore()
     state, _ = make_state(store)
