@@ -109,8 +109,8 @@ class ConversationState:
     async def _give_back(self, session: ConversationKey, claim: asyncio.Future[TurnStart]) -> None:
         try:
             start = await claim
-        except StoreUnavailableError:
-            return                                  # the begin failed: nothing claimed to give back
+        except Exception:                           # the begin failed (counted by _timed): nothing to give back
+            return
         try:
             back = await self._timed("put_back", self.store.put_back(session, start, time.time()))
         except StoreUnavailableError:
@@ -263,8 +263,8 @@ def _eager_task(coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
 
 
 class ClaimAhead:
-    """A session turn's claim, sent to the store before the turn is parsed into its prompt, so that the store's
-    round trip overlaps the rendering. `async with` it around everything up to the turn's `begin`: `begin`
+    """A session turn's claim, sent to the store before the turn is rendered into its prompt, so that the
+    store's round trip overlaps the rendering. `async with` it around everything up to the turn's `begin`: `begin`
     takes the claim; a turn that leaves the block without taking it (refused, or cancelled when its client
     went) puts it back. On an error the answer waits for the put-back, so the client's next turn finds the
     handle; on a cancellation it goes on by itself."""
