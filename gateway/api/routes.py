@@ -83,15 +83,18 @@ ROUTES = [chat_completions, completions, models, health, ready, metrics, openapi
 
 
 async def _turn(request: Request, gateway: Gateway, schema: type, intake: Callable[..., TurnRequest]) -> ASGIApp:
-    """Authenticate, validate, render, run: the same for chat and completions."""
+    """Authenticate, validate, render, run: the same for chat and completions. A session turn's store claim
+    is sent before rendering and overlaps it; a turn refused meanwhile puts it back (turns/state.py)."""
     began = time.perf_counter()
     tenant = gateway.api_keys.tenant_for(request.headers.get("authorization"))
     body, parsed = parse(await request.body(), schema)
-    turn = intake(body, parsed, _request_id(request))
-    turn.clock = TurnClock(gateway.metrics.gateway_seconds, began)
-    gateway.metrics.turn_seconds.labels("intake").observe(time.perf_counter() - began)
     session = _session(request, body, gateway.settings.session_header, tenant)
-    return _respond(await gateway.runner.run(turn, session, tenant), turn.clock)
+    async with gateway.runner.claim_ahead(session) as ahead:
+        turn = intake(body, parsed, _request_id(request))
+        turn.clock = TurnClock(gateway.metrics.gateway_seconds, began)
+        gateway.metrics.turn_seconds.labels("intake").observe(time.perf_counter() - began)
+        reply = await gateway.runner.run(turn, session, tenant, ahead)
+    return _respond(reply, turn.clock)
 
 
 def _respond(reply: TurnReply, clock: TurnClock) -> ASGIApp:

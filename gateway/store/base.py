@@ -102,6 +102,7 @@ class TurnStart(msgspec.Struct):
     record: Conversation | None  # None: new conversation
     handle: dict[str, Any] | None  # D's handle, now owned by this turn alone (only when claimed)
     handle_state: HandleState  # in_flight: an earlier turn started and has not finished; evicted: see evict_handle
+    handle_expires_at: float = 0.0  # when the claimed handle dies (0.0 unless claimed): what put_back restores
 
 
 class Holder(msgspec.Struct):
@@ -150,6 +151,15 @@ class ConversationStore(Protocol):
 
         With a handle, the record's `index_hash` is indexed for `key.tenant` in the same atomic step, live as
         long as the handle; the conversation's previous entry goes (a claim or a delete removes it too)."""
+        ...
+
+    async def put_back(self, key: ConversationKey, start: TurnStart, now: float) -> bool:
+        """Undo the begin that returned `start`, for a turn that then did not run (refused, or its client gone
+        before it began), only if no other turn began since: the counter goes back, a claimed handle returns
+        with its expiry and (while live) its prefix-index entry, an eviction is reported again, as if the turn
+        had never begun. False: nothing changed (a later turn began, or this one finished or was deleted); the
+        caller then releases the claimed handle. Not restored: a dead handle the begin dropped (the next turn
+        sees no handle rather than an expired one) and the in-flight clock of an earlier turn still running."""
         ...
 
     async def evict_handle(self, key: ConversationKey, turn: int) -> dict[str, Any] | None:

@@ -5,9 +5,9 @@ is what makes the single-use claim hold here. Records and handles are kept msgpa
 Redis, so both stores hand back equal (and unaliased) values.
 
 The prefix index lives beside the entries: (tenant, index hash) → the conversations indexed there, each with
-its handle's expiry, in insertion order (which, under one handle TTL, is soonest-expiring first). An entry
-leaves the index when its handle is claimed or replaced and when its conversation is deleted, expires or is
-evicted, so the index never holds more than one entry per conversation.
+its handle's expiry, soonest-expiring first. An entry leaves the index when its handle is claimed or replaced
+and when its conversation is deleted, expires or is evicted, and comes back when a claim is put back, so the
+index never holds more than one entry per conversation.
 """
 
 from __future__ import annotations
@@ -77,12 +77,12 @@ class MemoryConversationStore:
     async def begin_turn(self, key: ConversationKey, now: float) -> TurnStart:
         check_key(key)
         entry = self._live(key) or _Entry()
-        handle = None
+        handle, expires_at = None, 0.0
         state: HandleState
         if entry.handle is not None:
             state = "claimed" if entry.handle_expires_at > now else "expired"
             if state == "claimed":
-                handle = entry.handle
+                handle, expires_at = entry.handle, entry.handle_expires_at
             entry.handle, entry.handle_expires_at = None, 0.0
             self._unindex(key, entry)  # claimed or dead: nothing left for a lookup to find
         elif entry.started > entry.finished and now - entry.started_at < self.inflight_timeout_s:
@@ -100,6 +100,7 @@ class MemoryConversationStore:
             record=decode_record(entry.record) if entry.record is not None else None,
             handle=decode_handle(handle) if handle is not None else None,
             handle_state=state,
+            handle_expires_at=expires_at,
         )
 
     async def begin_found_turn(self, key: ConversationKey, turn: int, now: float) -> TurnStart | None:
@@ -108,14 +109,14 @@ class MemoryConversationStore:
         if (entry is None or entry.record is None or entry.finished != turn or entry.started != turn
                 or entry.handle is None or entry.handle_expires_at <= now):
             return None  # moved on, claimed, in flight or expired since the lookup: leave it alone
-        handle, record = entry.handle, entry.record
+        handle, record, expires_at = entry.handle, entry.record, entry.handle_expires_at
         entry.handle, entry.handle_expires_at = None, 0.0
         self._unindex(key, entry)
         entry.started += 1
         entry.started_at = now
         self._write(key, entry)
         return TurnStart(turn=entry.started, record=decode_record(record), handle=decode_handle(handle),
-                         handle_state="claimed")
+                         handle_state="claimed", handle_expires_at=expires_at)
 
     async def find_by_prefix(
         self, tenant: str, block_hashes: Sequence[bytes], prompt_tokens: int, now: float,
@@ -158,16 +159,23 @@ class MemoryConversationStore:
         entry.handle_expires_at = handle_expires_at if handle_blob is not None else 0.0
         # Same step as the record: the old entry goes, the new one (if a live handle waits) comes.
         self._unindex(key, entry)
-        digest = index_hash(record) if handle_blob is not None and handle_expires_at > now else None
-        if digest is not None:
-            entry.indexed = digest
-            members = self._index.setdefault((key.tenant, digest), {})
-            # Dead handles leave first, as in Redis, so a set many identical conversations share stays the
-            # size of its live holders (in insertion order, which is expiry order under one handle TTL).
-            while members and next(iter(members.values())) <= now:
-                del members[next(iter(members))]
-            members[key] = handle_expires_at
+        if handle_blob is not None:
+            self._file(key, entry, record, handle_expires_at, now)
         self._write(key, entry)
+        return True
+
+    async def put_back(self, key: ConversationKey, start: TurnStart, now: float) -> bool:
+        check_key(key)
+        handle_blob = encode_handle(start.handle) if start.handle is not None else None
+        entry = self._live(key)
+        if entry is None or entry.started != start.turn or entry.finished >= start.turn:
+            return False
+        entry.started -= 1
+        if handle_blob is not None and start.record is not None:
+            entry.handle, entry.handle_expires_at = handle_blob, start.handle_expires_at
+            self._file(key, entry, start.record, start.handle_expires_at, now)
+        if start.handle_state == "evicted":
+            entry.evicted = entry.finished
         return True
 
     async def evict_handle(self, key: ConversationKey, turn: int) -> dict[str, Any] | None:
@@ -230,6 +238,23 @@ class MemoryConversationStore:
             # Evicting a live handle leaves D's blocks pinned until its own TTL: bounded, not unsafe.
             evicted, gone = self._entries.popitem(last=False)
             self._unindex(evicted, gone)
+
+    def _file(self, key: ConversationKey, entry: _Entry, record: Conversation, expires_at: float,
+              now: float) -> None:
+        """File the conversation in the prefix index under its record's hash, while its handle is live."""
+        digest = index_hash(record) if expires_at > now else None
+        if digest is None:
+            return
+        entry.indexed = digest
+        members = self._index.setdefault((key.tenant, digest), {})
+        # Dead handles leave first, as in Redis, so a set many identical conversations share stays the size of
+        # its live holders. Kept in expiry order (a put-back files an older handle after newer ones).
+        while members and next(iter(members.values())) <= now:
+            del members[next(iter(members))]
+        in_order = not members or next(reversed(members.values())) <= expires_at
+        members[key] = expires_at
+        if not in_order:
+            self._index[(key.tenant, digest)] = dict(sorted(members.items(), key=lambda item: item[1]))
 
     def _unindex(self, key: ConversationKey, entry: _Entry) -> None:
         if entry.indexed is None:

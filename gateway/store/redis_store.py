@@ -96,6 +96,7 @@ class RedisConversationStore:
         self._begin_found_turn = client.register_script(scripts.BEGIN_FOUND_TURN)
         self._find_by_prefix = client.register_script(scripts.FIND_BY_PREFIX)
         self._evict_handle = client.register_script(scripts.EVICT_HANDLE)
+        self._put_back = client.register_script(scripts.PUT_BACK)
 
     @classmethod
     def from_url(
@@ -115,12 +116,13 @@ class RedisConversationStore:
         rkey = conversation_key(key)
         args = [repr(float(now)), repr(float(self.inflight_timeout_s)), self._ttl_ms, *_member(key)]
         with _unavailable_on_fault():
-            turn, state, record, handle = await self._begin_turn(keys=[rkey], args=args)
+            turn, state, record, handle, expires_at = await self._begin_turn(keys=[rkey], args=args)
         return TurnStart(
             turn=int(turn),
             record=decode_record(record) if record is not None else None,
             handle=decode_handle(handle) if handle is not None else None,
             handle_state=state.decode() if isinstance(state, bytes) else state,
+            handle_expires_at=float(expires_at) if expires_at is not None else 0.0,
         )
 
     async def begin_found_turn(self, key: ConversationKey, turn: int, now: float) -> TurnStart | None:
@@ -130,9 +132,9 @@ class RedisConversationStore:
             claimed = await self._begin_found_turn(keys=[rkey], args=args)
         if claimed is None:
             return None
-        started, record, handle = claimed
+        started, record, handle, expires_at = claimed
         return TurnStart(turn=int(started), record=decode_record(record), handle=decode_handle(handle),
-                         handle_state="claimed")
+                         handle_state="claimed", handle_expires_at=float(expires_at))
 
     async def find_by_prefix(
         self, tenant: str, block_hashes: Sequence[bytes], prompt_tokens: int, now: float,
@@ -163,6 +165,16 @@ class RedisConversationStore:
                 int(record.held_tokens), digest or b""]
         with _unavailable_on_fault():
             return bool(await self._finish_turn(keys=[rkey], args=args))
+
+    async def put_back(self, key: ConversationKey, start: TurnStart, now: float) -> bool:
+        rkey = conversation_key(key)
+        handle = start.handle if start.record is not None else None
+        digest = index_hash(start.record) if handle is not None and start.handle_expires_at > now else None
+        args = [int(start.turn), encode_handle(handle) if handle is not None else b"",
+                repr(float(start.handle_expires_at)), repr(float(now)), self._ttl_ms, *_member(key),
+                digest or b"", b"1" if start.handle_state == "evicted" else b""]
+        with _unavailable_on_fault():
+            return bool(await self._put_back(keys=[rkey], args=args))
 
     async def evict_handle(self, key: ConversationKey, turn: int) -> dict[str, Any] | None:
         rkey = conversation_key(key)

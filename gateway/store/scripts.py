@@ -19,8 +19,9 @@ Layout of one conversation hash, `pdgw:v2:{tenant}:conv:<session digest>`:
 The prefix index, one sorted set per indexed hash: `pdgw:v2:{tenant}:pfx:<16 raw bytes>`, members the
 session digests of the conversations filed there, scores their handle's expiry. A conversation is a member
 exactly while it has an unclaimed handle (the score tells whether it is still live): FINISH_TURN files it,
-a claim (BEGIN_TURN, BEGIN_FOUND_TURN) or DELETE removes it, and a newer FINISH_TURN moves it. So the
-index holds at most one entry per conversation; each set expires with the conversations in it.
+a claim (BEGIN_TURN, BEGIN_FOUND_TURN) or DELETE removes it, a newer FINISH_TURN moves it and PUT_BACK
+files it again. So the index holds at most one entry per conversation; each set expires with the
+conversations in it.
 """
 
 # Drop the conversation's index entry, if it has one. ARGV-independent so every script can share it.
@@ -34,10 +35,23 @@ local function unindex(conv, tenant_prefix, member)
 end
 """
 
+# File the conversation in the prefix index under `digest` while its handle lives (until `expires_at`).
+_FILE = """
+local function file(conv, tenant_prefix, member, digest, expires_at, now, ttl_ms)
+  local index = tenant_prefix .. 'pfx:' .. digest
+  -- Dead handles leave first, so a set shared by many identical conversations stays the size of its
+  -- live holders; the set itself expires with the newest conversation filed in it.
+  redis.call('ZREMRANGEBYSCORE', index, '-inf', now)
+  redis.call('ZADD', index, expires_at, member)
+  redis.call('PEXPIRE', index, ttl_ms)
+  redis.call('HSET', conv, 'indexed', digest)
+end
+"""
+
 # KEYS[1] conversation; ARGV: now, inflight_timeout_s, ttl_ms, tenant prefix, session digest.
-# Returns {turn, handle_state, record or nil, handle or nil}. Removing the handle in the same script as
-# reading it is what makes a handle single use across every gateway replica; its index entry goes with it,
-# so a lookup never offers a handle that is gone.
+# Returns {turn, handle_state, record or nil, handle or nil, handle_expires_at or nil}. Removing the handle in
+# the same script as reading it is what makes a handle single use across every gateway replica; its index
+# entry goes with it, so a lookup never offers a handle that is gone.
 BEGIN_TURN = _UNINDEX + """
 local now = tonumber(ARGV[1])
 local v = redis.call('HMGET', KEYS[1], 'record', 'handle', 'handle_expires_at',
@@ -46,12 +60,14 @@ local started = tonumber(v[4]) or 0
 local finished = tonumber(v[5]) or 0
 local state = 'none'
 local handle = false
+local expires_at = false
 if v[2] then
   redis.call('HDEL', KEYS[1], 'handle', 'handle_expires_at')
   unindex(KEYS[1], ARGV[4], ARGV[5])
   if (tonumber(v[3]) or 0) > now then
     state = 'claimed'
     handle = v[2]
+    expires_at = v[3]
   else
     state = 'expired'
   end
@@ -65,13 +81,14 @@ if v[7] then
 end
 redis.call('HSET', KEYS[1], 'started', started + 1, 'started_at', ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return {started + 1, state, v[1], handle}
+return {started + 1, state, v[1], handle, expires_at}
 """
 
 # KEYS[1] conversation; ARGV: now, turn (the one whose record the lookup returned), ttl_ms, tenant prefix,
-# session digest. Returns {turn, record, handle} having claimed the handle as BEGIN_TURN does, or nil having
-# changed nothing: a conversation that moved on (a newer record), has a turn in flight, or whose handle is
-# claimed or dead is not touched, so a sessionless request can never disturb someone else's turn counters.
+# session digest. Returns {turn, record, handle, handle_expires_at} having claimed the handle as BEGIN_TURN
+# does, or nil having changed nothing: a conversation that moved on (a newer record), has a turn in flight, or
+# whose handle is claimed or dead is not touched, so a sessionless request can never disturb someone else's
+# turn counters.
 BEGIN_FOUND_TURN = _UNINDEX + """
 local turn = tonumber(ARGV[2])
 local v = redis.call('HMGET', KEYS[1], 'record', 'handle', 'handle_expires_at', 'started', 'finished')
@@ -83,14 +100,14 @@ redis.call('HDEL', KEYS[1], 'handle', 'handle_expires_at')
 unindex(KEYS[1], ARGV[4], ARGV[5])
 redis.call('HSET', KEYS[1], 'started', turn + 1, 'started_at', ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return {turn + 1, v[1], v[2]}
+return {turn + 1, v[1], v[2], v[3]}
 """
 
 # KEYS[1] conversation; ARGV: turn, record, handle ('' for none), handle_expires_at, ttl_ms, now,
 # tenant prefix, session digest, session, held_tokens, index hash ('' for none: no live handle to offer).
 # Returns 1 if stored, 0 if a newer turn began (or this one already finished): nothing changed then.
 # The index moves in the same script as the record, so no lookup ever sees one without the other.
-FINISH_TURN = _UNINDEX + """
+FINISH_TURN = _UNINDEX + _FILE + """
 local turn = tonumber(ARGV[1])
 local v = redis.call('HMGET', KEYS[1], 'started', 'finished')
 if tonumber(v[1]) ~= turn or (tonumber(v[2]) or 0) >= turn then
@@ -105,15 +122,33 @@ else
 end
 unindex(KEYS[1], ARGV[7], ARGV[8])
 if ARGV[11] ~= '' then
-  local index = ARGV[7] .. 'pfx:' .. ARGV[11]
-  -- Dead handles leave first, so a set shared by many identical conversations stays the size of its
-  -- live holders; the set itself expires with the newest conversation filed in it.
-  redis.call('ZREMRANGEBYSCORE', index, '-inf', ARGV[6])
-  redis.call('ZADD', index, ARGV[4], ARGV[8])
-  redis.call('PEXPIRE', index, ARGV[5])
-  redis.call('HSET', KEYS[1], 'indexed', ARGV[11])
+  file(KEYS[1], ARGV[7], ARGV[8], ARGV[11], ARGV[4], ARGV[6], ARGV[5])
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
+return 1
+"""
+
+# KEYS[1] conversation; ARGV: turn (the one the begin returned), handle ('' for none), handle_expires_at,
+# now, ttl_ms, tenant prefix, session digest, index hash ('' for none: no live handle to offer), evicted
+# ('1': the begin reported an eviction). Returns 1 having undone that begin (the counter back, the handle and
+# its index entry back, the eviction reported again), or 0 having changed nothing: a turn began since (it
+# saw this one in flight and owns the counter now), or this one finished, or the conversation was deleted.
+PUT_BACK = _FILE + """
+local turn = tonumber(ARGV[1])
+local v = redis.call('HMGET', KEYS[1], 'started', 'finished')
+if tonumber(v[1]) ~= turn or (tonumber(v[2]) or 0) >= turn then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'started', turn - 1)
+if ARGV[2] ~= '' then
+  redis.call('HSET', KEYS[1], 'handle', ARGV[2], 'handle_expires_at', ARGV[3])
+  if ARGV[8] ~= '' then
+    file(KEYS[1], ARGV[6], ARGV[7], ARGV[8], ARGV[3], ARGV[4], ARGV[5])
+  end
+end
+if ARGV[9] ~= '' then
+  redis.call('HSET', KEYS[1], 'evicted', v[2] or '0')
+end
 return 1
 """
 

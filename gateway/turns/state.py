@@ -1,14 +1,21 @@
 """A conversation's state across turns, through the store: claim it when a turn begins, record what D holds
-when the turn ends, mark a failed turn finished. The store never interprets what it keeps; this module does."""
+when the turn ends, mark a failed turn finished. The store never interprets what it keeps; this module does.
+
+A turn with a session id claims ahead (`ClaimAhead`): its store round trip is sent before the turn is rendered
+and tokenized, and awaited once it is. A turn refused in between (a 400 from intake, a context-length refusal,
+a 429 from admission, its client gone) never runs: its begin is put back in the store (`put_back`), handle,
+prefix-index entry and counter as they were, so the conversation's next turn reuses as if it had never come.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -21,6 +28,7 @@ from gateway.turns.capture import DecodeCapture
 from gateway.turns.continuity import Fingerprint, held_fingerprint
 from gateway.turns.budget import EVICTED
 from gateway.turns.generated import remember
+from gateway.turns.lookup import How
 from gateway.turns.pins import PinLedger, Victim
 from gateway.turns.plan import Claim, Plan, Reason
 from gateway.turns.release import HandleReleaser
@@ -50,20 +58,32 @@ class ConversationState:
         self.renderer = renderer        # history_tokens "generated": to keep D's answers as it made them
         self.pins = pins                # the handles this process stored, kept within D's pin budget
         self.finder = ConversationFinder(store, settings.conversation_lookup, block_size, self._usable)
+        self._putting_back: set[asyncio.Task[None]] = set()
 
     # -- begin ---------------------------------------------------------------------------------------------
-    async def begin(self, req: TurnRequest, session: ConversationKey | None,
-                    tenant: str = DEFAULT_TENANT) -> tuple[Found | None, Claim | None]:
+    def claim_ahead(self, session: ConversationKey | None) -> ClaimAhead:
+        """`async with` it around a turn's rendering and run: it claims a session turn's handle ahead, and puts
+        the claim back if the turn does not take it. Its `as` target is None where nothing can overlap: no
+        session id, lookup by tokens only, or the embedded store (whose claim is no round trip)."""
+        ahead = session is not None and self.finder.mode != "prefix" and self.store.kind != "memory"
+        return ClaimAhead(self, session if ahead else None)
+
+    async def begin(self, req: TurnRequest, session: ConversationKey | None, tenant: str = DEFAULT_TENANT,
+                    ahead: ClaimAhead | None = None) -> tuple[Found | None, Claim | None]:
         """Find the turn's conversation (by its session id, else by its tokens: sessionless.py, else a new one)
-        and claim its handle (at most once, atomically in the store). (None, None): no conversation (no session
-        id and lookup by session id only). Raises StoreUnavailableError: the turn is then served stateless."""
+        and claim its handle (at most once, atomically in the store; `ahead`: claimed already, by session id).
+        (None, None): no conversation (no session id and lookup by session id only). Raises
+        StoreUnavailableError: the turn is then served stateless."""
         if session is None and req.body.get("cache_salt") is not None:
             # A client that salts its prompts keeps its KV apart from others' on purpose (vLLM's cache_salt):
             # finding a conversation by its tokens would cross that line, so a salted turn without a session id
             # is served stateless.
             return None, None
-        found = await self._timed("begin_turn", self.finder.begin(
-            session, tenant, req.prompt_ids, req.model, time.time()))
+        if ahead is not None and session is not None:
+            found: Found | None = Found(How.SESSION, session, await ahead.take())
+        else:
+            found = await self._timed("begin_turn", self.finder.begin(
+                session, tenant, req.prompt_ids, req.model, time.time()))
         if found is None:
             return None, None
         start = found.start
@@ -72,6 +92,35 @@ class ConversationState:
         if req.rerender is not None and start.record is not None and start.record.answers:
             req.prompt_ids = req.rerender(start.record.answers)      # past answers as D generated them
         return found, self._claim(req, start)
+
+    def send_claim(self, session: ConversationKey) -> asyncio.Task[TurnStart]:
+        """The session's `begin_turn` as a task of its own (ClaimAhead), started eagerly where asyncio can
+        (Python 3.12+): its request is written before this returns, without giving the loop a turn (which, on
+        a busy loop, costs more than the overlap saves). On 3.11 it starts at the turn's next await, as before."""
+        return _eager_task(self._timed("begin_turn", self.store.begin_turn(session, time.time())))
+
+    def put_back(self, session: ConversationKey, claim: asyncio.Future[TurnStart]) -> asyncio.Task[None]:
+        """Undo a claim its turn did not take (a task of its own: a cancelled handler cannot stop it half-way)."""
+        task = asyncio.ensure_future(self._give_back(session, claim))
+        self._putting_back.add(task)
+        task.add_done_callback(self._putting_back.discard)
+        return task
+
+    async def _give_back(self, session: ConversationKey, claim: asyncio.Future[TurnStart]) -> None:
+        try:
+            start = await claim
+        except Exception:                           # the begin failed (counted by _timed): nothing to give back
+            return
+        try:
+            back = await self._timed("put_back", self.store.put_back(session, start, time.time()))
+        except StoreUnavailableError:
+            back = False
+        if not back and (handle := kv.from_store(start.handle)) is not None:
+            self.releaser.release(handle, "unused")     # a turn began since: the handle is this turn's to free
+
+    async def drain(self) -> None:
+        if self._putting_back:
+            await asyncio.gather(*self._putting_back, return_exceptions=True)
 
     def _usable(self, decode_url: str) -> bool:
         holder = self.decode_pool.get(decode_url)
@@ -205,6 +254,49 @@ class ConversationState:
             raise
         finally:
             self.metrics.store_seconds.labels(op).observe(time.perf_counter() - began)
+
+
+def _eager_task(coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+    if sys.version_info >= (3, 12):
+        return asyncio.Task(coro, loop=asyncio.get_running_loop(), eager_start=True)
+    return asyncio.ensure_future(coro)
+
+
+class ClaimAhead:
+    """A session turn's claim, sent to the store before the turn is rendered into its prompt, so that the
+    store's round trip overlaps the rendering. `async with` it around everything up to the turn's `begin`: `begin`
+    takes the claim; a turn that leaves the block without taking it (refused, or cancelled when its client
+    went) puts it back. On an error the answer waits for the put-back, so the client's next turn finds the
+    handle; on a cancellation it goes on by itself."""
+
+    __slots__ = ("_claim", "_session", "_state", "_taken")
+
+    def __init__(self, state: ConversationState, session: ConversationKey | None) -> None:
+        self._state, self._session = state, session
+        self._claim: asyncio.Task[TurnStart] | None = None
+        self._taken = False
+
+    async def __aenter__(self) -> ClaimAhead | None:
+        if self._session is None:
+            return None
+        self._claim = self._state.send_claim(self._session)
+        return self
+
+    async def take(self) -> TurnStart:
+        """The begun turn, now the turn's own; raises StoreUnavailableError as `begin_turn` does (nothing was
+        claimed then). Shielded: a turn cancelled while it waits here leaves the claim to be put back."""
+        assert self._claim is not None
+        start = await asyncio.shield(self._claim)
+        self._taken = True
+        return start
+
+    async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> None:
+        if self._claim is None or self._taken or self._session is None:
+            return
+        self._taken = True
+        back = self._state.put_back(self._session, self._claim)
+        if kind is not None and not issubclass(kind, asyncio.CancelledError):
+            await asyncio.shield(back)
 
 
 def fingerprint(record: Conversation | None) -> Fingerprint | None:

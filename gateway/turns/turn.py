@@ -37,7 +37,7 @@ from gateway.turns.rates import PrefillTiming, Rates
 from gateway.turns.release import HandleReleaser
 from gateway.turns.request import TurnRequest
 from gateway.turns.restream import restream
-from gateway.turns.state import ConversationState, Served
+from gateway.turns.state import ClaimAhead, ConversationState, Served
 
 log = logging.getLogger("gateway.turn")
 _encode = msgspec.json.Encoder().encode
@@ -97,12 +97,17 @@ class TurnRunner:
         self.admission = Admission(settings.max_concurrent_turns, settings.max_queued_prompt_tokens)
         self.rates = Rates()         # what the P legs taught of the engines' speeds, for the cost plan
 
-    async def run(self, req: TurnRequest, session: ConversationKey | None, tenant: str = DEFAULT_TENANT) -> TurnReply:
+    def claim_ahead(self, session: ConversationKey | None) -> ClaimAhead:
+        """`async with` it around rendering and `run`: the store's claim overlaps the rendering (state.py)."""
+        return self.state.claim_ahead(session)
+
+    async def run(self, req: TurnRequest, session: ConversationKey | None, tenant: str = DEFAULT_TENANT,
+                  ahead: ClaimAhead | None = None) -> TurnReply:
         turn = Turn(req, session, self.admission.admit(len(req.prompt_ids)), time.perf_counter(),
                     retries_left=self.settings.max_retries, tenant=tenant)
         turn.trace = self.tracing.turn(req)
         try:
-            await self._plan(turn)
+            await self._plan(turn, ahead)
             self._observe("plan", turn.began)
             if turn.plan.release:
                 self._release_later(turn, turn.plan.release)
@@ -114,9 +119,9 @@ class TurnRunner:
             raise
 
     # -- planning ------------------------------------------------------------------------------------------
-    async def _plan(self, turn: Turn) -> None:
+    async def _plan(self, turn: Turn, ahead: ClaimAhead | None) -> None:
         try:
-            found, claim = await self.state.begin(turn.req, turn.session, turn.tenant)
+            found, claim = await self.state.begin(turn.req, turn.session, turn.tenant, ahead)
         except StoreUnavailableError:
             turn.plan = plans.full(Reason.STORE_UNAVAILABLE)
             return
@@ -309,6 +314,7 @@ class TurnRunner:
                  reused=reused, computed=prompt - reused, seconds=round(time.perf_counter() - turn.began, 4))
 
     async def drain(self) -> None:
+        await self.state.drain()          # put-backs first: one that finds a newer turn releases its handle
         await self.releaser.drain()
 
     # -- handles this turn will not use -----------------------------------------------------------------------

@@ -60,3 +60,21 @@ def test_admin_delete_frees_the_pinned_kv(replicas):
     replicas.wait_until(lambda: replicas.stats(replicas.decode[0])["handles_pinned"] == pinned - 1)
     assert httpx.get(url, headers=auth).status_code == 404
     assert chat.say(question(8)).reason == "first_turn"
+
+
+@pytest.mark.parametrize("refusal", [{"model": "no-such-model"}, {"max_tokens": 10**9}],
+                         ids=["unknown_model", "over_context_length"])
+def test_a_turn_refused_after_its_claim_leaves_the_next_turn_its_reuse(replicas, refusal):
+    """The claim is sent before intake renders (and refuses) the turn: it must go back to the store, handle,
+    index entry and counter, so the next turn (on any replica) reads D's KV rather than meeting an 'in flight'."""
+    chat = Chat(replicas, uuid.uuid4().hex)
+    chat.say(question(3))
+    chat.messages.append({"role": "user", "content": question(4)})
+    body = {"model": "demo", "messages": chat.messages, **refusal}
+    refused = httpx.post(f"{replicas.gateway.url}/v1/chat/completions", json=body, timeout=30,
+                         headers={"X-Session-Id": chat.session})
+    assert refused.status_code in (400, 404), refused.text
+    turn = chat.ask(replica=1)
+    assert (turn.plan, turn.reason) == ("reuse", "continuous")
+    assert turn.text == turn.expected
+    assert replicas.total("kv_reads_corrupt") == 0

@@ -232,3 +232,88 @@ async def test_an_evicted_handle_leaves_the_prefix_index(store: ConversationStor
     assert [h.key for h in await store.find_by_prefix("acme", [bytes(range(16))], 64, now)] == [KEY]
     assert await store.evict_handle(KEY, second.turn) == HANDLE
     assert await store.find_by_prefix("acme", [bytes(range(16))], 64, now) == []
+
+
+# -- put_back: a turn refused after its claim undoes its begin -------------------------------------------------
+async def test_put_back_returns_the_claimed_handle_as_if_the_turn_never_began(store: ConversationStore) -> None:
+    await finished_turn(store, KEY)
+    stored = await finished_turn(store, KEY)                           # record(2), indexed at its first block
+    now = time.time()
+    refused = await store.begin_turn(KEY, now)
+    assert (refused.turn, refused.handle_state) == (3, "claimed") and refused.handle_expires_at > now
+    assert await store.find_by_prefix("acme", [bytes(range(16))], 64, now) == []
+    assert await store.put_back(KEY, refused, now)
+    assert await store.get(KEY) == (record(2), HANDLE, 2)
+    assert [h.key for h in await store.find_by_prefix("acme", [bytes(range(16))], 64, now)] == [KEY]
+    assert await store.begin_found_turn(KEY, stored.turn, now) == refused     # a lookup may claim it again
+    assert await store.put_back(KEY, refused, now)
+    again = await store.begin_turn(KEY, now)
+    assert again == refused                                            # the same turn, the same handle
+    assert await store.finish_turn(KEY, again.turn, record(3), None, 0.0, now)
+
+
+async def test_put_back_changes_nothing_once_another_turn_began(store: ConversationStore) -> None:
+    await finished_turn(store, KEY)
+    now = time.time()
+    refused = await store.begin_turn(KEY, now)
+    later = await store.begin_turn(KEY, now)
+    assert later.handle_state == "in_flight"
+    assert not await store.put_back(KEY, refused, now)                # the caller releases the handle
+    assert await store.get(KEY) == (record(1), None, 1)
+    assert await store.finish_turn(KEY, later.turn, record(3), HANDLE, now + 60, now)
+    assert await store.get(KEY) == (record(3), HANDLE, 3)
+
+
+async def test_put_back_is_refused_after_finish_delete_or_once_done(store: ConversationStore) -> None:
+    await finished_turn(store, KEY)
+    now = time.time()
+    finished = await store.begin_turn(KEY, now)
+    assert await store.finish_turn(KEY, finished.turn, record(2), None, 0.0, now)
+    assert not await store.put_back(KEY, finished, now)
+    refused = await store.begin_turn(KEY, now)
+    assert await store.put_back(KEY, refused, now)
+    assert not await store.put_back(KEY, refused, now)                # once
+    deleted = await store.begin_turn(KEY, now)
+    await store.delete(KEY)
+    assert not await store.put_back(KEY, deleted, now)
+    assert await store.get(KEY) is None
+
+
+async def test_put_back_of_a_first_turn(store: ConversationStore) -> None:
+    now = time.time()
+    refused = await store.begin_turn(KEY, now)
+    assert await store.put_back(KEY, refused, now)
+    assert await store.get(KEY) is None
+    start = await store.begin_turn(KEY, now)
+    assert (start.turn, start.record, start.handle_state) == (1, None, "none")     # not "in_flight"
+
+
+async def test_put_back_lets_the_turn_in_flight_finish(store: ConversationStore) -> None:
+    await finished_turn(store, KEY)
+    now = time.time()
+    running = await store.begin_turn(KEY, now)
+    refused = await store.begin_turn(KEY, now)
+    assert refused.handle_state == "in_flight"
+    assert await store.put_back(KEY, refused, now)
+    assert await store.finish_turn(KEY, running.turn, record(2), HANDLE, now + 60, now)
+    assert (await store.begin_turn(KEY, now)).handle == HANDLE
+
+
+async def test_put_back_reports_an_eviction_again(store: ConversationStore) -> None:
+    start = await finished_turn(store, KEY)
+    await store.evict_handle(KEY, start.turn)
+    refused = await store.begin_turn(KEY, time.time())
+    assert refused.handle_state == "evicted"
+    assert await store.put_back(KEY, refused, time.time())
+    assert (await store.begin_turn(KEY, time.time())).handle_state == "evicted"
+
+
+async def test_a_handle_that_died_meanwhile_goes_back_dead(store: ConversationStore) -> None:
+    now = time.time()
+    await finished_turn(store, KEY)
+    await finished_turn(store, KEY, ttl_s=5, now=now)                  # record(2), indexable
+    refused = await store.begin_turn(KEY, now)
+    assert await store.put_back(KEY, refused, now + 5)                 # expiry is exclusive: dead now
+    assert await store.find_by_prefix("acme", [bytes(range(16))], 64, now) == []
+    start = await store.begin_turn(KEY, now + 5)
+    assert (start.turn, start.handle, start.handle_state) == (3, None, "expired")

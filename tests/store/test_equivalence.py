@@ -57,6 +57,7 @@ class SameAnswers(RuleBasedStateMachine):
         self.memory = MemoryConversationStore(inflight_timeout_s=INFLIGHT_TIMEOUT_S, clock=clock)
         self.redis = self.loop.run_until_complete(self._redis_store(clock))
         self.latest: dict[ConversationKey, int] = {}  # last turn begun, per key
+        self.begun: dict[ConversationKey, object] = {}  # the last TurnStart, per key, to put back
 
     async def _redis_store(self, clock) -> RedisConversationStore:
         client = fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer())
@@ -74,7 +75,13 @@ class SameAnswers(RuleBasedStateMachine):
 
     @rule(key=keys)
     def begin(self, key: ConversationKey) -> None:
-        self.latest[key] = self.both("begin_turn", key, self.now).turn
+        start = self.begun[key] = self.both("begin_turn", key, self.now)
+        self.latest[key] = start.turn
+
+    @rule(key=keys)
+    def put_back(self, key: ConversationKey) -> None:
+        if key in self.begun:
+            self.both("put_back", key, self.begun[key], self.now)
 
     @rule(key=keys, data=st.data(), record=records, handle=handles,
           expires_in=st.sampled_from([-1.0, 0.0, 1.0, 300.0]))
@@ -97,7 +104,7 @@ class SameAnswers(RuleBasedStateMachine):
     def begin_found(self, key: ConversationKey, back: int) -> None:
         start = self.both("begin_found_turn", key, self.latest.get(key, 1) - back, self.now)
         if start is not None:
-            self.latest[key] = start.turn
+            self.latest[key], self.begun[key] = start.turn, start
 
     @rule(key=keys, text=st.sampled_from(["abc", "abd", "xyz", "ab"]), held=st.sampled_from([4, 7, 8, 11, 12]),
           hashes=prompts, extra=st.sampled_from([0, 0, 1, 3]))
