@@ -28,7 +28,9 @@ def test_compare_smoke_runs_every_setup_and_ends_with_the_summary_line(tmp_path)
     match = FINAL.match(last)
     assert match, last
     values = [float(v) for v in match.groups()]
-    assert all(math.isfinite(v) for v in values), last
+    # The naive proxy's added latency over a smoke run's few turns can come out at or below zero on a loaded
+    # machine; the ratio is then undefined (nan, as compare.py prints it). Every other figure must be a number.
+    assert all(math.isfinite(v) for i, v in enumerate(values) if i != 2), last
     table = out.read_text()
     for setup in ("| floor |", "| floor with reuse |", "| pd-gateway |", "| naive proxy |"):
         assert setup in table
