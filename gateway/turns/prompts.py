@@ -188,9 +188,7 @@ def continuation(base: Prefix, text: str, answers: Sequence[Answer], spans: Sequ
     doc): all of a spliced prefix or none; as many whole chunks of a plain one as hold."""
     if base.answers or base.spans:
         return base if _continues(base, text, answers, spans) else None
-    limit = len(text)                       # the cut may not lie past a piece a (new) answer ends
-    for a in answers:
-        limit = min(limit, _first_ended(base, text, a))
+    limit = min(len(text), _first_ended(base, text, answers))   # the cut may not lie past a piece an answer ends
     if spans:                               # nor past where splicing from the start finds the first span
         limit = min(limit, text.find(spans[0][0]))
     pos, n = 0, 0
@@ -212,7 +210,7 @@ def _continues(base: Prefix, text: str, answers: Sequence[Answer], spans: Sequen
         return False
     if k < len(spans) and text.find(spans[k][0], base.segment) < base.chars:
         return False                              # splicing from the start would find the next span earlier
-    return all(_first_ended(base, text, a) >= base.chars for a in answers[n:])
+    return _first_ended(base, text, answers[n:]) >= base.chars
 
 
 def _starts(base: Prefix) -> list[int]:
@@ -223,14 +221,20 @@ def _starts(base: Prefix) -> list[int]:
     return out
 
 
-def _first_ended(base: Prefix, text: str, answer: Answer) -> int:
-    """Where the first of the base's pieces that ends with the answer's text begins (else past its end)."""
-    chars, digest = answer.chars, answer.text_hash
+def _first_ended(base: Prefix, text: str, answers: Sequence[Answer]) -> int:
+    """Where the first of the base's pieces that ends with one of the answers' texts begins (else past the
+    base's end): a tail hash per piece and answer length, as splicing itself looks them up."""
+    by_length: dict[int, set[bytes]] = {}
+    for a in answers:
+        by_length.setdefault(a.chars, set()).add(a.text_hash)
+    if not by_length:
+        return base.chars + 1
     for ends in base.ends:
         for i in range(0, len(ends), 2):
             start, end = ends[i], ends[i + 1]
-            if 0 < chars <= end - start and text_hash(text[end - chars:end]) == digest:
-                return start
+            for chars, digests in by_length.items():
+                if 0 < chars <= end - start and text_hash(text[end - chars:end]) in digests:
+                    return start
     return base.chars + 1
 
 

@@ -324,14 +324,16 @@ def test_a_tool_call_answer_quoted_earlier_restarts_the_splice() -> None:
     ids = [t for ch in generated for t in r.tokenizer.encode(ch, add_special_tokens=False)]   # not canonical
     assert r.decode(ids) == generated
     kept = Answer(*calls_key(None, calls), ids)
-    first = [{"role": "user", "content": f"call it like this: {generated}"}]
+    ok = answer("ok", [t for ch in "ok" for t in r.tokenizer.encode(ch, add_special_tokens=False)])
+    first = [{"role": "user", "content": f"call it like this: {generated}"}, {"role": "assistant", "content": "ok"},
+             {"role": "user", "content": "go on"}]
     body = {"messages": first, "tools": TOOLS}
-    intake.chat(*parse(msgspec.json.encode(body), ChatRequest), "r").rerender([answer("x", [1])])
+    intake.chat(*parse(msgspec.json.encode(body), ChatRequest), "r").rerender([ok])   # a spliced prefix is kept
     messages = [*first, {"role": "assistant", "content": None, "tool_calls": calls},
                 {"role": "tool", "tool_call_id": "q0", "content": "found"}]
     turn = intake.chat(*parse(msgspec.json.encode({**body, "messages": messages}), ChatRequest), "r")
-    spliced = turn.rerender([answer("x", [1]), kept])
-    assert list(spliced) == list(fresh.render_chat(messages, tools=TOOLS, answers=[answer("x", [1]), kept]))
+    spliced = turn.rerender([ok, kept])
+    assert list(spliced) == list(fresh.render_chat(messages, tools=TOOLS, answers=[ok, kept]))
     assert list(spliced) != list(fresh.render_chat(messages, tools=TOOLS))      # the ids were spliced in
 
 
@@ -360,3 +362,19 @@ def test_the_first_turn_with_answers_continues_the_plain_prompt_and_an_edit_the_
     request = intake.chat(*parse(msgspec.json.encode({"messages": messages}), ChatRequest), "r")
     assert list(request.prompt_ids) == whole.render_chat(messages)
     assert max(split_lengths) < 1000                        # from the chunk before the edit, not the start
+
+
+def test_known_messages_and_decoded_answers_are_bounded() -> None:
+    from gateway.turns.messages import MessageCache
+    from gateway.turns.render import _Decoded
+
+    cache = MessageCache(max_bytes=20_000)
+    for i in range(100):
+        parse(msgspec.json.encode({"messages": [{"role": "user", "content": f"message {i} " * 50}]}), ChatRequest,
+              cache=cache)
+        assert cache.bytes <= 20_000
+    assert cache.misses == 100
+    decoded = _Decoded(lambda ids: "x" * len(ids), max_tokens=1_000)
+    for i in range(100):
+        decoded(list(range(i, i + 60)))
+        assert decoded._tokens <= 1_000
