@@ -155,10 +155,10 @@ def report(arms: dict[str, dict], agents: int, steps: int, wall_s: float) -> tup
     return "\n".join(lines) + "\n", final
 
 
-def record(path: Path, section: str) -> None:
-    """Replace this scenario's section of RESULTS.md (compare.py rewrites the file: run this after it)."""
+def record(path: Path, section: str, title: str = SECTION) -> None:
+    """Replace the section `title` of RESULTS.md (compare.py rewrites the file: run this after it)."""
     text = path.read_text() if path.exists() else ""
-    start = text.find(SECTION)
+    start = text.find(title)
     if start >= 0:
         end = text.find("\n## ", start + 1)
         text = text[:start] + section + (text[end + 1:] if end >= 0 else "")

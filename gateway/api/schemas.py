@@ -8,8 +8,13 @@ from typing import Any
 import msgspec
 
 from gateway.errors import InvalidRequestError
+from gateway.turns.messages import KnownMessage, MessageCache, Messages
 
 _decode = msgspec.json.Decoder().decode
+_decode_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+_decode_items = msgspec.json.Decoder(list[msgspec.Raw]).decode
+# The messages of recent requests, by their bytes: a continuous turn's history is decoded once.
+MESSAGES = MessageCache()
 # Deeper JSON than this is refused: decoding, re-encoding for the engines and template rendering all recurse,
 # and Python's stack (1000 frames) must keep room for the server's own frames around them.
 MAX_JSON_DEPTH = 512
@@ -53,24 +58,78 @@ _PATH = re.compile(r"at `\$\.?([^`]*)`")
 _MISSING = re.compile(r"missing required field `([^`]*)`")
 
 
-def parse(raw: bytes, schema: type[msgspec.Struct]) -> tuple[dict[str, Any], Any]:
-    """→ (the body as a dict, for forwarding; the validated struct). Errors name the offending field."""
+def parse(raw: bytes, schema: type[msgspec.Struct], *, cache: MessageCache | None = None) -> tuple[dict[str, Any], Any]:
+    """→ (the body as a dict, for forwarding; the validated struct). Errors name the offending field.
+
+    A chat request's messages are decoded one by one, and only those not seen before (`turns/messages.py`):
+    a continuous turn resends its whole history, which is then found rather than decoded and checked again.
+    `cache`: where they are found (default: this process's `MESSAGES`)."""
     try:
-        body = _decode(raw)
+        fields = _decode_fields(raw)
+    except msgspec.ValidationError:
+        raise InvalidRequestError("the request body must be a JSON object") from None
     except msgspec.DecodeError as exc:
         raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise _too_deep() from None
-    if _depth_bound(raw) > MAX_JSON_DEPTH and _depth(body) > MAX_JSON_DEPTH:
-        raise _too_deep()
-    if not isinstance(body, dict):
-        raise InvalidRequestError("the request body must be a JSON object")
+    chat = schema is ChatRequest and "messages" in fields
+    body = {key: _value(value, MAX_JSON_DEPTH - 1) for key, value in fields.items() if not (chat and key == "messages")}
+    messages = _messages(fields["messages"], MESSAGES if cache is None else cache) if chat else None
     try:
-        parsed = msgspec.convert(body, schema)
+        parsed = msgspec.convert({**body, "messages": []} if chat else body, schema)
     except msgspec.ValidationError as exc:
         raise InvalidRequestError(f"invalid request: {exc}", param=_param(str(exc))) from None
+    if messages is not None:
+        parsed.messages = [known.struct for known in messages.known]
+        body["messages"] = messages
     _check(parsed)
     return body, parsed
+
+
+def _value(raw: msgspec.Raw | bytes, max_depth: int) -> Any:
+    """One JSON value, refused if it nests deeper than `max_depth` (counted from 1 at the value itself)."""
+    raw = bytes(raw) if isinstance(raw, msgspec.Raw) else raw
+    try:
+        value = _decode(raw)
+    except RecursionError:
+        raise _too_deep() from None
+    if len(raw) > max_depth and _depth_bound(raw) > max_depth and _depth(value) > max_depth:
+        raise _too_deep()
+    return value
+
+
+def _messages(raw: msgspec.Raw, cache: MessageCache) -> Messages:
+    try:
+        items = _decode_items(raw)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequestError(f"invalid request: {exc} - at `$.messages`", param="messages") from None
+    except RecursionError:
+        raise _too_deep() from None
+    raws = [bytes(item) for item in items]
+    known = cache.get_all(raws)
+    for i, found in enumerate(known):
+        if found is None:
+            known[i] = found = _known(raws[i], f"messages[{i}]")
+            cache.put(raws[i], found)
+    return Messages(known, list(map(hash, raws)))      # bytes keep their hash: computed by the lookup already
+
+
+def _known(raw: bytes, where: str) -> KnownMessage:
+    """A message not seen before: decoded and validated (the body, its list and the message: 2 levels above)."""
+    value = _value(raw, MAX_JSON_DEPTH - 2)
+    try:
+        struct = msgspec.convert(value, Message)
+    except msgspec.ValidationError as exc:
+        error = _at(str(exc), where)
+        raise InvalidRequestError(f"invalid request: {error}", param=_param(error)) from None
+    return KnownMessage(value, struct, msgspec.json.encode(value), 4 * len(raw) + 1024)
+
+
+def _at(error: str, where: str) -> str:
+    """msgspec's error for one message, with its path within the whole body."""
+    if " - at `$" in error:
+        return error.replace(" - at `$", f" - at `$.{where}", 1)
+    return f"{error} - at `$.{where}`"
 
 
 def _too_deep() -> InvalidRequestError:

@@ -5,7 +5,9 @@ tokenizer would merge); then the prompt no longer extends D's held tokens and re
 The rendered prompt is cut at the tokenizer's special tokens (as `pieces.py` does). A piece that ends with the
 text of an answer D generated (same length, same 128-bit hash) is sent as its leading text, encoded, followed
 by D's ids for the answer. Every other piece is encoded as usual. The result is consistent turn after turn: the
-previous prompt ended with the same leading text (the template's assistant header), encoded the same way.
+previous prompt ended with the same leading text (the template's assistant header), encoded the same way. The
+splice itself is `prompts.build` (with `answers` and `spans`): it continues the previous prompt's spliced ids
+where that gives the same as splicing from the start; this module says what is spliced.
 
 Answers that called tools are kept under the key of their content and calls as parsed (`tools.calls_key`): the
 client sends them back as `tool_calls`, which the template re-renders from parsed JSON, not as D's text. An
@@ -20,22 +22,18 @@ without that tail, while decoding the ids gives it as U+FFFD. `text_of` accepts 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from hashlib import blake2b
 from typing import Any
 
 from gateway.errors import InvalidRequestError
 from gateway.store import Answer
-from gateway.turns.pieces import PieceEncoder, TokenIds
+from gateway.turns.messages import memo
+from gateway.turns.prompts import text_hash
 from gateway.turns.tools import TOOL_BLOCK, calls_key, parse_generated, same_calls
 
 MAX_ANSWER_TOKENS = 32768        # kept per conversation; older answers fall back to their re-encoded text
 REPLACEMENT = "\ufffd"           # what decoding puts for bytes that are not (yet) a whole UTF-8 character
-
-
-def text_hash(text: str) -> bytes:
-    return blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def answer(text: str, ids: list[int]) -> Answer:
@@ -59,42 +57,6 @@ def remember(answers: list[Answer], new: Answer) -> list[Answer]:
             break
         kept.append(old)
     return [*reversed(kept), new]
-
-
-def splice(pieces: PieceEncoder, text: str, answers: list[Answer],
-           spans: Sequence[tuple[str, list[int]]] = ()) -> TokenIds:
-    """`spans`: (D's text, D's ids) of substituted tool-call answers, in order; each is found in `text` and
-    sent as the ids (see `Substitutions.only_difference`)."""
-    by_length: dict[int, dict[bytes, list[int]]] = {}
-    for a in answers:
-        by_length.setdefault(a.chars, {})[a.text_hash] = a.ids
-    ids: list[int] = []
-    pos = 0
-    for generated_text, generated_ids in spans:
-        at = text.index(generated_text, pos)
-        ids += _pieces(pieces, text[pos:at], by_length)
-        ids += generated_ids
-        pos = at + len(generated_text)
-    ids += _pieces(pieces, text[pos:], by_length)
-    return TokenIds(ids)
-
-
-def _pieces(pieces: PieceEncoder, text: str, by_length: dict[int, dict[bytes, list[int]]]) -> list[int]:
-    ids: list[int] = []
-    for i, part in enumerate(pieces.split(text)):
-        if i & 1:
-            ids.append(pieces.special_id(part))
-        elif part:
-            ids += _generated(pieces, part, by_length) or pieces.encode(part)
-    return ids
-
-
-def _generated(pieces: PieceEncoder, piece: str, by_length: dict[int, dict[bytes, list[int]]]) -> list[int] | None:
-    for chars, known in by_length.items():
-        if 0 < chars <= len(piece) and (ids := known.get(text_hash(piece[len(piece) - chars:]))) is not None:
-            head = piece[:len(piece) - chars]
-            return [*(pieces.encode(head) if head else ()), *ids]
-    return None
 
 
 # -- answers that called tools --------------------------------------------------------------------------
@@ -146,8 +108,9 @@ def substitutions(messages: list[dict[str, Any]], answers: list[Answer],
     """Assistant messages whose content and tool calls are a kept answer's, as plain messages with D's text."""
     kept = {(a.chars, a.text_hash): a.ids for a in answers}
     out, spans = [], []
-    for message in messages:
-        ids = kept.get(_key(message)) if message.get("role") == "assistant" and message.get("tool_calls") else None
+    for i, message in enumerate(messages):
+        ids = kept.get(memo(messages, i, "calls_key", lambda: _key(message))) \
+            if message.get("role") == "assistant" and message.get("tool_calls") else None
         if ids is None:
             out.append(message)
             continue

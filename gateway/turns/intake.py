@@ -4,14 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from gateway.errors import InvalidRequestError, ModelNotFoundError
 from gateway.turns.context import COMPLETIONS_DEFAULT_MAX_TOKENS, ContextLimit, longest_token_chars
+from gateway.turns.messages import Messages
+from gateway.turns.prompts import Lineage
 from gateway.turns.request import Endpoint, TurnRequest
 from gateway.turns.render import Renderer
 from gateway.turns.tools import check_chat
 
 # Never forwarded: a client handle could point an engine at any host or another conversation's blocks.
 _STRIPPED = ("kv_transfer_params", "conversation_id", "session_id", "request_id")
+_encode = msgspec.json.Encoder().encode
 
 
 class Intake:
@@ -43,13 +48,14 @@ class Intake:
         # render_chat in two steps, so that a text far over the context length is refused before it is encoded
         text = self.renderer.template(body["messages"], **template)
         self.context.check_text(text, "messages")
-        ids = self.renderer.encode(text)
+        lineage = lineage_of(body["messages"], template)
+        ids = self.renderer.encode(text, lineage)
         wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         self.context.check_tokens(len(ids), wanted, "messages")
         turn = self._turn("/v1/chat/completions", body, req, model, ids, request_id)
         if self.generated_history:
             turn.rerender = lambda answers: self.renderer.render_chat(body["messages"], answers=answers,
-                                                                      rendered=text, **template)
+                                                                      rendered=text, lineage=lineage, **template)
         return turn
 
     def completion(self, body: dict[str, Any], req: Any, request_id: str) -> TurnRequest:
@@ -71,3 +77,14 @@ class Intake:
             endpoint=endpoint, body=clean, model=model, prompt_ids=ids, stream=bool(req.stream),
             want_token_ids=bool(req.return_token_ids),
             include_usage=bool(req.stream_options and req.stream_options.include_usage), request_id=request_id)
+
+
+def lineage_of(messages: list[dict[str, Any]], template: dict[str, Any]) -> Lineage | None:
+    """The keys by which this prompt finds the one it continues: its messages' (from their bytes when parsed
+    by api/schemas.py), and the template's other inputs."""
+    try:
+        keys = messages.keys if isinstance(messages, Messages) else [hash(_encode(m)) for m in messages]
+        inputs = _encode([template.get("tools"), template.get("chat_template_kwargs")])
+    except TypeError:                    # not JSON (a caller's own objects): nothing to continue from
+        return None
+    return Lineage(keys, inputs)

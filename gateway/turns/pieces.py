@@ -21,9 +21,14 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+import msgspec
+
 DEFAULT_CACHE_TOKENS = 4_000_000       # token ids kept (about 4 bytes each as array('i'), plus the text)
 
+_encode_json = msgspec.json.Encoder().encode
 EncodeBatch = Callable[[list[str]], list[list[int]]]
+Piece = tuple[tuple[int, ...], bytes, bytes]   # a piece's ids, as int64 bytes, as JSON array items (no brackets)
+_NOTHING: Piece = ((), b"", b"")
 
 # Text a probe wraps around special tokens: spaces, newlines, digits, punctuation and non-ASCII at the edges.
 PROBE_PIECES = ("", "user\nHello world", " leading space", "trailing space ", "\n\n", "\n", "  two  spaces",
@@ -31,16 +36,39 @@ PROBE_PIECES = ("", "user\nHello world", " leading space", "trailing space ", "\
 
 
 class TokenIds(list):
-    """A list of token ids that also carries them as int64 little-endian bytes (what continuity hashes) and,
-    when built from cached pieces, as a JSON array (what both legs send): each costs a copy, not a conversion.
-    Slices and sums are plain lists."""
+    """A list of token ids that also carries them as int64 little-endian bytes (what continuity hashes) and as
+    a JSON array (what both legs send). Built from cached pieces (`of_pieces`), each is a join of the pieces'
+    own, made when first asked for: a prompt that is encoded and then replaced (by its "generated" form,
+    generated.py) never pays for them. Slices and sums are plain lists."""
 
-    __slots__ = ("as_bytes", "as_json")
+    __slots__ = ("_bytes", "_json", "_byte_chunks", "_json_items")
 
     def __init__(self, ids: Sequence[int] = (), as_bytes: bytes | None = None) -> None:
         super().__init__(ids)
-        self.as_bytes = as_bytes if as_bytes is not None else array("q", ids).tobytes()
-        self.as_json: bytes | None = None
+        self._bytes, self._json = as_bytes, None
+        self._byte_chunks: list[bytes] | None = None
+        self._json_items: list[bytes] | None = None
+
+    @classmethod
+    def of_pieces(cls, ids: TokenIds, byte_chunks: list[bytes], json_items: list[bytes]) -> TokenIds:
+        """`ids` (made with `TokenIds.__new__`, filled in place) with its pieces' bytes and JSON array items."""
+        ids._bytes = ids._json = None
+        ids._byte_chunks, ids._json_items = byte_chunks, json_items
+        return ids
+
+    @property
+    def as_bytes(self) -> bytes:
+        if self._bytes is None:
+            chunks = self._byte_chunks
+            self._bytes = b"".join(chunks) if chunks is not None else array("q", self).tobytes()
+        return self._bytes
+
+    @property
+    def as_json(self) -> bytes:
+        if self._json is None:
+            items = self._json_items
+            self._json = b"[" + b",".join(items) + b"]" if items is not None else _encode_json(list(self))
+        return self._json
 
 
 class PieceEncoder:
@@ -51,15 +79,15 @@ class PieceEncoder:
         if not specials:
             raise ValueError("no special tokens to cut at")
         self._specials = specials
-        self._special_bytes = {s: array("q", [i]).tobytes() for s, i in specials.items()}
+        self._special_pieces = {s: ((i,), array("q", [i]).tobytes(), str(i).encode()) for s, i in specials.items()}
+        self.safe = safe_cuts(specials)
         alternatives = "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True))
-        self._special_json = {s: str(i).encode() for s, i in specials.items()}
         self._split = re.compile(f"({alternatives})").split
         self._encode_batch = encode_batch
         # Per piece: its ids, as int64 bytes, as JSON array items (no brackets). Ids as tuples: a tuple of ints
         # drops out of the garbage collector's view, a list would be re-scanned, millions of elements, on every
         # full collection.
-        self._cache: OrderedDict[str, tuple[tuple[int, ...], bytes, bytes]] = OrderedDict()
+        self._cache: OrderedDict[str, Piece] = OrderedDict()
         self._cached_tokens = 0
         self.max_tokens = max_tokens
         self.hits = self.misses = 0
@@ -68,37 +96,42 @@ class PieceEncoder:
         """piece, special, piece, special, ..., piece."""
         return self._split(text)
 
-    def special_id(self, special: str) -> int:
-        return self._specials[special]
-
     def encode(self, text: str) -> TokenIds:
         parts = self._split(text)               # piece, special, piece, special, ..., piece
-        cache = self._cache
-        missing = [p for p in dict.fromkeys(parts[0::2]) if p and p not in cache]
-        if missing:
-            self._add(missing, self._encode_batch(missing))
+        found = self.lookup(parts[0::2])
         ids = TokenIds.__new__(TokenIds)          # filled in place: no second copy of a long prompt
         chunks: list[bytes] = []
         items: list[bytes] = []
-        specials, special_bytes, special_json = self._specials, self._special_bytes, self._special_json
         for i, part in enumerate(parts):
-            if i & 1:
-                ids.append(specials[part])
-                chunks.append(special_bytes[part])
-                items.append(special_json[part])
-            elif part:
-                piece_ids, piece_bytes, piece_json = cache[part]
-                cache.move_to_end(part)
-                ids += piece_ids
-                chunks.append(piece_bytes)
-                if piece_json:
-                    items.append(piece_json)
+            piece_ids, piece_bytes, piece_json = self.special(part) if i & 1 else found[i >> 1]
+            ids += piece_ids
+            chunks.append(piece_bytes)
+            if piece_json:
+                items.append(piece_json)
+        return TokenIds.of_pieces(ids, chunks, items)
+
+    def lookup(self, pieces: list[str]) -> list[Piece]:
+        """Each piece (text between special tokens) as (ids, int64 bytes, JSON items), encoding in one batch
+        those not cached; "" is no tokens. The pieces just looked up are the last to be evicted."""
+        cache = self._cache
+        missing = [p for p in dict.fromkeys(pieces) if p and p not in cache]
+        if missing:
+            self._add(missing, self._encode_batch(missing))
+        out = []
+        for piece in pieces:
+            if piece:
+                out.append(cache[piece])
+                cache.move_to_end(piece)
+            else:
+                out.append(_NOTHING)
         self.misses += len(missing)
-        self.hits += sum(1 for p in parts[0::2] if p) - len(missing)
-        self._evict(keep=len(parts) // 2 + 1)
-        ids.as_bytes = b"".join(chunks)
-        ids.as_json = b"[" + b",".join(items) + b"]"
-        return ids
+        self.hits += sum(1 for p in pieces if p) - len(missing)
+        self._evict(keep=len(pieces))
+        return out
+
+    def special(self, special: str) -> Piece:
+        """A special token as (ids, int64 bytes, JSON items)."""
+        return self._special_pieces[special]
 
     def _add(self, pieces: list[str], encoded: list[list[int]]) -> None:
         for piece, piece_ids in zip(pieces, encoded, strict=True):
@@ -133,6 +166,24 @@ class PieceEncoder:
     @property
     def cached_tokens(self) -> int:
         return self._cached_tokens
+
+
+def safe_cuts(specials: dict[str, int]) -> frozenset[str]:
+    """The special tokens a text may be cut right after, and the two sides encoded apart (turns/prompts.py):
+    those found in no other special token except at its end. Cutting after S is exact unless the tokenizer's
+    scan of the longer text finds a longer token that begins before or at S and runs past the cut, and that
+    token would contain S (all of S lies between its start and the cut) other than at its end."""
+    if any("\0" in s for s in specials):
+        return frozenset()
+    joined = "\0".join(specials) + "\0"          # each token ends where a NUL follows
+    safe = set()
+    for special in specials:
+        at = joined.find(special)
+        while at >= 0 and joined[at + len(special)] == "\0":
+            at = joined.find(special, at + 1)
+        if at < 0:
+            safe.add(special)
+    return frozenset(safe)
 
 
 def exact_specials(added: dict[int, object]) -> dict[str, int] | None:

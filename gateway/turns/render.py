@@ -3,23 +3,33 @@
 The only module that imports transformers. Rendering follows vLLM: template to text, then encode without
 adding special tokens (the template carries them); completions prompts are encoded with them.
 
-Encoding is incremental where that is exact (see `pieces.py`): the rendered text is cut at the tokenizer's
-special tokens and only pieces not seen before go through the tokenizer, so a turn's cost does not grow with
-the history. Whether the cut is exact for this tokenizer is verified at start-up; if not, every prompt is
-encoded whole.
+Encoding is incremental where that is exact: the rendered text is cut at the tokenizer's special tokens and
+only pieces not seen before go through the tokenizer (`pieces.py`), and a conversation's next prompt continues
+the ids of its previous one, found by its messages, from where their texts agree (`prompts.py`), so a turn's
+cost does not grow with the history. Whether the cut is exact for this tokenizer is verified at start-up; if
+not, every prompt is encoded whole.
+
+The template itself is rendered whole, every turn: chat templates are arbitrary Jinja (the builtin one wraps
+consecutive tool results in one block, reasoning templates drop a past answer's reasoning once a later user
+message exists), so no part of the text is assumed to stay as it was; what is kept is each message's form for
+the template (`messages.py`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from gateway.errors import InvalidRequestError
 from gateway.store import Answer
-from gateway.turns.generated import answer, splice, substitutions, text_of, tool_answer
+from gateway.turns.generated import answer, substitutions, text_of, tool_answer
+from gateway.turns.messages import each
 from gateway.turns.pieces import DEFAULT_CACHE_TOKENS, PieceEncoder, TokenIds, exact_specials
+from gateway.turns.prompts import DEFAULT_PREFIX_BYTES, Lineage, PromptEncoder
 from gateway.turns.tools import template_calls
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -29,6 +39,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from transformers import AutoTokenizer  # noqa: E402  (after the verbosity setting)
 
+DEFAULT_DECODED_TOKENS = 1_000_000      # answers' ids kept with their decoded text (tool-call answers)
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "tokenizers"
 log = logging.getLogger(__name__)
 
@@ -45,13 +56,15 @@ def tokenizer_path(spec: str) -> str:
 
 class Renderer:
     def __init__(self, tokenizer: str, chat_template: str | None = None, *, incremental: bool = True,
-                 cache_tokens: int = DEFAULT_CACHE_TOKENS) -> None:
+                 cache_tokens: int = DEFAULT_CACHE_TOKENS, prefix_bytes: int = DEFAULT_PREFIX_BYTES) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path(tokenizer))
         if chat_template:
             self.tokenizer.chat_template = Path(chat_template).read_text()
         if not self.tokenizer.chat_template:
             raise ValueError(f"tokenizer {tokenizer!r} has no chat template: pass --chat-template FILE")
         self.pieces = self._piece_encoder(cache_tokens) if incremental else None
+        self.prompts = PromptEncoder(self.pieces, prefix_bytes) if self.pieces is not None else None
+        self._decoded = _Decoded(self.decode)
         self.vocab_size = len(self.tokenizer)
         self.special_ids = set(self.tokenizer.all_special_ids)
 
@@ -84,42 +97,46 @@ class Renderer:
     def _encode_whole(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def encode(self, text: str) -> list[int]:
-        """A rendered chat prompt → ids (a `TokenIds` when encoded incrementally)."""
-        return self.pieces.encode(text) if self.pieces is not None else TokenIds(self._encode_whole(text))
+    def encode(self, text: str, lineage: Lineage | None = None) -> list[int]:
+        """A rendered chat prompt → ids (a `TokenIds`). `lineage`: its messages', to continue the ids of the
+        conversation's previous prompt (`prompts.py`)."""
+        if self.prompts is None:
+            return TokenIds(self._encode_whole(text))
+        return self.prompts.encode(text, lineage)
 
     def render_chat(self, messages: list[dict[str, Any]], *, answers: list[Answer] | None = None,
-                    rendered: str | None = None, **template: Any) -> list[int]:
+                    rendered: str | None = None, lineage: Lineage | None = None, **template: Any) -> list[int]:
         """`answers`: past answers to send as the ids D generated (history_tokens "generated"); needs the
         incremental encoder's cut at special tokens, else the text is encoded as usual. `rendered`: these
         messages' template text, when the caller has it already (intake does), so it is not rendered again."""
         text = rendered if rendered is not None else self.template(messages, **template)
-        if answers and self.pieces is not None:
-            return self._spliced(messages, text, answers, template)
-        return self.encode(text)
+        if answers and self.prompts is not None:
+            return self._spliced(messages, text, answers, template, lineage)
+        return self.encode(text, lineage)
 
     def _spliced(self, messages: list[dict[str, Any]], text: str, answers: list[Answer],
-                 template: dict[str, Any]) -> list[int]:
+                 template: dict[str, Any], lineage: Lineage | None) -> list[int]:
         """Assistant messages that carry the tool calls D generated are rendered as D's text (the template's
         re-rendering of the calls is not what D holds) and sent as D's ids, provided that is the only
         difference from the plain rendering: a template that rewrites past answers, or renders other messages
         differently once an assistant message has no tool_calls, keeps the plain rendering."""
-        generated = substitutions(messages, answers, self.decode)
+        assert self.prompts is not None
+        generated = substitutions(messages, answers, self._decoded)
         if generated:
             try:
                 swapped = self.template(generated.messages, **template)
             except InvalidRequestError:
                 swapped = None
             if swapped is not None and generated.only_difference(swapped, text):
-                return splice(self.pieces, swapped, answers, generated.spans)
-        return splice(self.pieces, text, answers)
+                return self.prompts.encode(swapped, lineage, answers, generated.spans)
+        return self.prompts.encode(text, lineage, answers)
 
     def template(self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None,
                  add_generation_prompt: bool = True, continue_final_message: bool = False,
                  chat_template_kwargs: dict[str, Any] | None = None) -> str:
         try:
             return self.tokenizer.apply_chat_template(
-                [normalize_message(m) for m in messages], tools=tools, tokenize=False,
+                each(messages, "template", normalize_message), tools=tools, tokenize=False,
                 add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                 **(chat_template_kwargs or {}))
         except Exception as exc:  # jinja raises many kinds; all mean this request cannot be rendered
@@ -163,3 +180,28 @@ def normalize_message(message: dict[str, Any]) -> dict[str, Any]:
         else:
             out["tool_calls"] = calls
     return out
+
+
+class _Decoded:
+    """`decode` for recent answers' ids, kept: a tool-call answer is decoded on every turn that resends it.
+    Least recently used out first beyond `max_tokens` ids."""
+
+    def __init__(self, decode: Callable[[list[int]], str], max_tokens: int = DEFAULT_DECODED_TOKENS) -> None:
+        self.decode, self.max_tokens = decode, max_tokens
+        self._entries: OrderedDict[tuple[int, ...], str] = OrderedDict()
+        self._tokens = 0
+
+    def __call__(self, ids: list[int]) -> str:
+        key = tuple(ids)
+        text = self._entries.get(key)
+        if text is not None:
+            self._entries.move_to_end(key)
+            return text
+        text = self.decode(ids)
+        if len(key) <= self.max_tokens:
+            self._entries[key] = text
+            self._tokens += len(key)
+            while self._tokens > self.max_tokens:
+                old, _ = self._entries.popitem(last=False)
+                self._tokens -= len(old)
+        return text

@@ -42,8 +42,9 @@ class TurnRequest:
     def forwarded(self) -> dict[str, Any]:
         """The body both legs start from, its bulky parts (the history, the ids) encoded once for both."""
         body = dict(self.body)
-        if isinstance(body.get("messages"), list):
-            body["messages"] = msgspec.Raw(msgspec.json.encode(body["messages"]))
+        messages = body.get("messages")
+        if isinstance(messages, list):     # parsed messages carry their encoding already (turns/messages.py)
+            body["messages"] = msgspec.Raw(getattr(messages, "json", None) or msgspec.json.encode(messages))
         return body
 
     def decode_answer(self, raw: bytes) -> dict[str, Any]:

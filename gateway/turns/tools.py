@@ -22,6 +22,7 @@ from hashlib import blake2b
 from typing import Any
 
 from gateway.errors import InvalidRequestError
+from gateway.turns.messages import memo
 
 TOOL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 _KEY_PERSON = b"pdgw-tool-calls"     # a hash domain of its own: no answer text can hash to a tool-call key
@@ -32,11 +33,13 @@ def check_chat(body: dict[str, Any]) -> None:
     names = _tool_names(tools) if tools is not None else set()
     _check_choice(body.get("tool_choice"), names, tools is not None)
     seen: set[str] = set()
-    for i, message in enumerate(body.get("messages") or ()):
+    messages = body.get("messages") or ()
+    for i, message in enumerate(messages):
         if not isinstance(message, dict):
             continue
         if message.get("role") == "assistant" and message.get("tool_calls") is not None:
-            seen |= _check_calls(message["tool_calls"], f"messages[{i}].tool_calls")
+            seen |= memo(messages, i, "call_ids",
+                         lambda: _check_calls(message["tool_calls"], f"messages[{i}].tool_calls"))
         elif message.get("role") == "tool":
             call_id = message.get("tool_call_id")
             if not isinstance(call_id, str) or call_id not in seen:
