@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.compare import GATEWAY_TTL, ZERO_SIM, _delta, _gateway_spans, _phase_means, drive, reset  # noqa: E402
-from bench.loadgen import FloorTarget, OpenAITarget, RunResult, percentile  # noqa: E402
+from bench.compare import GATEWAY_TTL, ZERO_SIM, _delta, _gateway_spans, _phase_means, alternate, drive  # noqa: E402
+from bench.loadgen import FloorTarget, OpenAITarget, percentile  # noqa: E402
 from bench.servers import Servers, _await, engine_flags, metrics  # noqa: E402
 from bench.workload import Workload  # noqa: E402
 from gateway.processes import Server, stop_process  # noqa: E402
@@ -70,18 +70,8 @@ def main(argv: list[str] | None = None) -> None:
                    **{name: (OpenAITarget(g.url), g) for name, g in gateways.items()}}
         for target, _ in targets.values():
             drive(target, replace(w, conversations=8, turns=2, think_s=0.0, seed=99), concurrency=8)
-        runs = {name: RunResult([], 0.0) for name in targets}
-        cpu = {name: 0.0 for name in gateways}
         before = {name: metrics(g.url) for name, g in gateways.items()}
-        for round_ in range(args.rounds):
-            for name in list(targets) if round_ % 2 == 0 else reversed(targets):
-                target, server = targets[name]
-                reset(p, d)
-                run, used = drive(target, replace(w, seed=round_), concurrency=args.concurrency,
-                                  pid=server.proc.pid if server else None)
-                runs[name] = RunResult(runs[name].turns + run.turns, runs[name].wall_s + run.wall_s)
-                if server:
-                    cpu[name] += (used or 0.0) / args.rounds
+        runs, cpu = alternate(targets, [p, d], w, rounds=args.rounds, concurrency=args.concurrency)
         own = {name: _delta(before[name], metrics(g.url)) for name, g in gateways.items()}
     floor = runs[FLOOR].ttft()
     print(f"load average at start: {load}; at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

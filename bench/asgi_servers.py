@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.compare import GATEWAY_TTL, ZERO_SIM, _delta, drive, gateway_quantile, reset  # noqa: E402
-from bench.loadgen import FloorTarget, OpenAITarget, RunResult, percentile  # noqa: E402
+from bench.compare import GATEWAY_TTL, ZERO_SIM, _delta, alternate, drive, gateway_quantile, reset  # noqa: E402
+from bench.loadgen import FloorTarget, OpenAITarget, percentile  # noqa: E402
 from bench.servers import Servers, _spawn, engine_flags, free_port, metrics  # noqa: E402
 from bench.workload import Workload  # noqa: E402
 
@@ -59,19 +59,8 @@ def main(argv: list[str] | None = None) -> str:
                    **{name: (OpenAITarget(g.url), g) for name, g in servers.items()}}
         for target, _ in targets.values():
             drive(target, replace(w, conversations=8, turns=2, think_s=0.0, seed=99), concurrency=8)
-        runs = {name: RunResult([], 0.0) for name in targets}
-        cpu = {name: 0.0 for name in servers}
         before = {name: metrics(g.url) for name, g in servers.items()}
-        order = list(targets)
-        for round_ in range(args.rounds):
-            for name in order if round_ % 2 == 0 else reversed(order):
-                target, server = targets[name]
-                reset(p, d)
-                run, used = drive(target, replace(w, seed=round_), concurrency=args.concurrency,
-                                  pid=server.proc.pid if server else None)
-                runs[name] = RunResult(runs[name].turns + run.turns, runs[name].wall_s + run.wall_s)
-                if server:
-                    cpu[name] += (used or 0.0) / args.rounds
+        runs, cpu = alternate(targets, [p, d], w, rounds=args.rounds, concurrency=args.concurrency)
         internal = {name: gateway_quantile(_delta(before[name], metrics(g.url)), "internal", 0.5)
                     for name, g in servers.items()}
         saturated = {}

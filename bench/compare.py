@@ -115,6 +115,25 @@ def reset(*engines) -> None:
         post(engine.url + "/sim/reset")
 
 
+def alternate(targets: dict, engines: list, w: Workload, *, rounds: int,
+              concurrency: int) -> tuple[dict[str, RunResult], dict[str, float]]:
+    """Each set-up (name -> (target, its server process or None)) over `w`, taking turns A B B A for `rounds`
+    rounds on freshly reset engines, so the machine's drift falls on all alike: the pooled runs, and each
+    server's CPU ms per turn."""
+    runs = {name: RunResult([], 0.0) for name in targets}
+    cpu = {name: 0.0 for name, (_, server) in targets.items() if server}
+    for round_ in range(rounds):
+        for name in list(targets) if round_ % 2 == 0 else reversed(targets):
+            target, server = targets[name]
+            reset(*engines)
+            run, used = drive(target, replace(w, seed=round_), concurrency=concurrency,
+                              pid=server.proc.pid if server else None)
+            runs[name] = RunResult(runs[name].turns + run.turns, runs[name].wall_s + run.wall_s)
+            if server:
+                cpu[name] += (used or 0.0) / rounds
+    return runs, cpu
+
+
 def p_stats(engines) -> dict[str, int]:
     keys = ("prompt_tokens_computed", "prompt_tokens_loaded", "prompt_tokens_cached", "kv_reads_corrupt",
             "requests_corrupt", "kv_blocks_read")

@@ -8,9 +8,12 @@ ids, which differ from the re-encoded text when an answer does not re-tokenize t
 
 from __future__ import annotations
 
+import copy
 import urllib.request
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import openai
 
@@ -26,19 +29,26 @@ class Turn:
     text: str
     token_ids: list[int]
     prompt_ids: list[int]
-    expected_text: str
-    expected_ids: list[int]
-    expected_prompt_ids: list[int]
     plan: str
     reason: str
     reused: int
     prefill_loaded: int          # prompt tokens P read from D (vllm:prompt_tokens_by_source_total)
     decode_loaded: int           # prompt tokens D read from P
     prefill_computed: int = 0    # prompt tokens P computed itself
+    expected: tuple[str, list[int], list[int]] | None = None   # the baseline's text, answer ids, prompt ids
 
     @property
     def exact(self) -> bool:
-        return self.token_ids == self.expected_ids and self.prompt_ids == self.expected_prompt_ids
+        _, ids, prompt_ids = self._expected()
+        return self.token_ids == ids and self.prompt_ids == prompt_ids
+
+    @property
+    def expected_text(self) -> str:
+        return self._expected()[0]
+
+    def _expected(self) -> tuple[str, list[int], list[int]]:
+        assert self.expected is not None, "not compared with the baseline yet (Chat.compare)"
+        return self.expected
 
 
 def client(url: str) -> openai.OpenAI:
@@ -60,6 +70,10 @@ class Chat(TurnTaking):
     baseline_by_ids: bool = False
     cache_salt: str | None = None         # sent to the gateway (and so to P and D): keeps other tests' prompts out
     tools: list[dict] | None = None
+    # Compare each turn with the baseline only in `compare()`, after the conversation: turns then follow each other
+    # as a client's would, not a baseline computation apart (on a loaded machine that outlasts D's short pin TTL).
+    compare_later: bool = False
+    _uncompared: list[tuple[Turn, Callable[[], tuple[str, list[int], list[int]]]]] = field(default_factory=list)
 
     def ask(self, *, stream: bool = False) -> Turn:
         before = self.prefill.loaded_tokens(), self.decode.loaded_tokens(), self.prefill.computed_tokens()
@@ -72,25 +86,34 @@ class Chat(TurnTaking):
         text, ids, prompt_ids = _streamed(raw.parse()) if stream else _whole(raw.parse())
         loaded = int(self.prefill.loaded_tokens() - before[0]), int(self.decode.loaded_tokens() - before[1])
         computed = int(self.prefill.computed_tokens() - before[2])
-        expected_text, expected_ids, expected_prompt = (self._baseline_ids(prompt_ids) if self.baseline_by_ids
-                                                        else self._baseline())
-        return Turn(text, ids, prompt_ids, expected_text, expected_ids, expected_prompt,
-                    raw.headers["x-pd-plan"], raw.headers["x-pd-reason"], int(raw.headers["x-pd-reused-tokens"]),
-                    *loaded, computed)
+        turn = Turn(text, ids, prompt_ids, raw.headers["x-pd-plan"], raw.headers["x-pd-reason"],
+                    int(raw.headers["x-pd-reused-tokens"]), *loaded, computed)
+        baseline = (partial(self._baseline_ids, prompt_ids, self.max_tokens) if self.baseline_by_ids
+                    else partial(self._baseline, copy.deepcopy(self.messages), self.max_tokens))   # tests edit messages
+        self._uncompared.append((turn, baseline))
+        if not self.compare_later:
+            self.compare()
+        return turn
 
-    def _baseline(self) -> tuple[str, list[int], list[int]]:
+    def compare(self) -> None:
+        """Each turn not yet compared gets the baseline's answer to the same prompt."""
+        for turn, baseline in self._uncompared:
+            turn.expected = baseline()
+        self._uncompared.clear()
+
+    def _baseline(self, messages: list[dict], max_tokens: int) -> tuple[str, list[int], list[int]]:
         """The same messages on one engine alone; a fresh cache salt so it computes everything itself."""
         out = self.baseline.post("/v1/chat/completions", {
-            "model": SERVED_MODEL, "messages": self.messages, "max_tokens": self.max_tokens, "temperature": 0,
+            "model": SERVED_MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "return_token_ids": True, "cache_salt": uuid.uuid4().hex, **({"tools": self.tools} if self.tools else {})},
             timeout_s=TIMEOUT_S)
         choice = out["choices"][0]
         return choice["message"]["content"], choice["token_ids"], out["prompt_token_ids"]
 
-    def _baseline_ids(self, prompt_ids: list[int]) -> tuple[str, list[int], list[int]]:
+    def _baseline_ids(self, prompt_ids: list[int], max_tokens: int) -> tuple[str, list[int], list[int]]:
         """The gateway's prompt ids on one engine alone (completions take ids as they are)."""
         out = self.baseline.post("/v1/completions", {
-            "model": SERVED_MODEL, "prompt": prompt_ids, "max_tokens": self.max_tokens, "temperature": 0,
+            "model": SERVED_MODEL, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
             "return_token_ids": True, "cache_salt": uuid.uuid4().hex}, timeout_s=TIMEOUT_S)
         choice = out["choices"][0]
         return choice["text"], choice["token_ids"], choice["prompt_token_ids"]

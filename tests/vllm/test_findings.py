@@ -141,7 +141,11 @@ def test_a_second_read_of_a_spent_handle_is_silent_and_reads_reused_memory(engin
     first = complete(engines.prefill, q, ANSWER, handle)
     assert answer(first) == expected(engines.baseline, q)
     _overwrite_free_blocks(engines.decode)
-    again, loaded = loaded_by(engines.prefill_fail, lambda: complete(engines.prefill_fail, q, ANSWER, handle, cache_salt="second-read"))
+    # Overwriting may outlast the handle's TTL on a loaded machine, and P declines reads near expiry (HTTP 500
+    # under `fail`): this read is about freed blocks, so its handle claims a later expiry (D's own clock, +60 s).
+    spent = {**handle, "remote_blocks_expiry_time": handle["remote_blocks_expiry_time"] + 60}
+    again, loaded = loaded_by(engines.prefill_fail, lambda: complete(engines.prefill_fail, q, ANSWER, spent,
+                                                                     cache_salt="second-read"))
     assert loaded == handle["remote_num_tokens"]       # read "successfully", HTTP 200
     assert answer(again) != answer(first), "the reused blocks still held the old KV"
 

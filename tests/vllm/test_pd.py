@@ -21,13 +21,16 @@ QUESTIONS = [
 
 
 def chat(engines, gateway, **kw) -> Chat:
-    return Chat(gateway, engines.prefill, engines.decode, engines.baseline, **kw)
+    """Turns are compared with the baseline in `compare()`: between turns it could outlast D's short pin TTL."""
+    return Chat(gateway, engines.prefill, engines.decode, engines.baseline, compare_later=True, **kw)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_single_turn_matches_a_co_located_engine(engines, gateway, stream):
     before = gateway_metric(gateway, "pdgw_turns_total", plan="full", reason="no_session")
-    turn = chat(engines, gateway, session=None).say(QUESTIONS[0] + f" (stream={stream})", stream=stream)
+    c = chat(engines, gateway, session=None)
+    turn = c.say(QUESTIONS[0] + f" (stream={stream})", stream=stream)
+    c.compare()
     assert turn.exact, "PD output differs from the co-located engine"
     assert turn.text == turn.expected_text
     assert (turn.plan, turn.reason) == ("full", "no_session")
@@ -38,7 +41,9 @@ def test_single_turn_matches_a_co_located_engine(engines, gateway, stream):
 def converse(c: Chat, stream: bool, first: str, first_reason: str) -> None:
     """Six turns; from turn 2 on P reads D's KV of the whole previous exchange and computes only the rest."""
     for i, question in enumerate(QUESTIONS):
-        turn = c.say(first if i == 0 else question, stream=stream)
+        c.say(first if i == 0 else question, stream=stream)
+    c.compare()
+    for i, turn in enumerate(c.turns):
         assert turn.exact, f"turn {i + 1} differs from the co-located engine"
         if i == 0:
             assert (turn.plan, turn.reason) == ("full", first_reason)
@@ -72,21 +77,23 @@ def test_conversation_without_session_id_is_found_by_its_tokens(engines, gateway
 def test_edited_history_falls_back_and_stays_exact(engines, gateway):
     c = chat(engines, gateway)
     for question in QUESTIONS[:3]:
-        assert c.say(question).exact
+        c.say(question)
     c.messages[1]["content"] = "An edited first question about something else entirely."
     turn = c.say(QUESTIONS[3])
-    assert turn.reason == "prefix_diverged" and turn.plan in ("partial", "full")
-    assert turn.exact
     follow = c.say(QUESTIONS[4])
-    assert (follow.plan, follow.reason) == ("reuse", "continuous") and follow.exact
+    c.compare()
+    assert all(t.exact for t in c.turns)
+    assert turn.reason == "prefix_diverged" and turn.plan in ("partial", "full")
+    assert (follow.plan, follow.reason) == ("reuse", "continuous")
 
 
 def test_regenerate_is_exact(engines, gateway):
     c = chat(engines, gateway)
     for question in QUESTIONS[:3]:
-        assert c.say(question).exact
+        c.say(question)
     c.messages.pop()                      # drop the last answer and ask again
     turn = c.send()
+    c.compare()
+    assert all(t.exact for t in c.turns)
     assert (turn.plan, turn.reason) == ("partial", "prompt_shorter")
     assert turn.reused == (len(turn.prompt_ids) - 1) // BLOCK_SIZE * BLOCK_SIZE
-    assert turn.exact

@@ -24,7 +24,8 @@ def test_twenty_conversations_in_a_row_without_a_stall(engines):
     slowest, reads = 0.0, 0
     for _ in range(CONVERSATIONS):
         s, handle = first_turn(p, d, words(rng.randrange(100, 300)), ANSWER)
-        for _ in range(LATER_TURNS):
+        answered = []          # compared with the baseline after the conversation: a comparison between turns
+        for _ in range(LATER_TURNS):          # could outlast D's short pin TTL on a loaded machine
             q = s + words(rng.randrange(60, 120))
             loaded = p.loaded_tokens()
             began = time.monotonic()
@@ -33,7 +34,8 @@ def test_twenty_conversations_in_a_row_without_a_stall(engines):
             reads += p.loaded_tokens() > loaded
             out = complete(d, q, ANSWER, prefill["kv_transfer_params"])
             ids = out["choices"][0]["token_ids"]
-            assert ids == expected(engines.baseline, q, ANSWER)
+            answered.append((q, ids))
             s, handle = q + ids, out["kv_transfer_params"]
+        assert all(ids == expected(engines.baseline, q, ANSWER) for q, ids in answered)
     assert reads == CONVERSATIONS * LATER_TURNS
     assert slowest < P_LEG_BOUND_S, f"a P leg that reads D's KV took {slowest:.1f}s"

@@ -39,14 +39,17 @@ def tool_history(tag: str) -> list[dict]:
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_tool_call_history_renders_as_vllm_does_and_reuses(engines, gateway, stream):
     c = Chat(gateway, engines.prefill, engines.decode, engines.baseline, tools=TOOLS,
-             messages=tool_history(f"tools-{stream}"))
+             messages=tool_history(f"tools-{stream}"), compare_later=True)
     questions = ["And tomorrow?", "Which city is warmer?", "Thanks, that is all."]
-    for i, question in enumerate(questions):
-        turn = c.say(question, stream=stream)
+    for question in questions:
+        c.say(question, stream=stream)
+    c.compare()
+    for i, turn in enumerate(c.turns):
         assert turn.exact, f"turn {i + 1} differs from the co-located engine given the same messages and tools"
         if i == 0:
             assert (turn.plan, turn.reason) == ("full", "first_turn")
-            tokenized = engines.prefill.post("/tokenize", {"model": SERVED_MODEL, "messages": c.messages[:-1],
+            first = c.messages[:len(c.messages) - 2 * len(questions) + 1]      # the history and question 1
+            tokenized = engines.prefill.post("/tokenize", {"model": SERVED_MODEL, "messages": first,
                                                            "tools": TOOLS, "add_generation_prompt": True})
             assert tokenized["tokens"] == turn.prompt_ids          # /tokenize parity, tools and tool calls included
             continue

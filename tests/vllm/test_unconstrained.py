@@ -28,7 +28,8 @@ MIN_CUT = 30      # turn 2 then reads > kv_recompute_threshold (64) tokens from 
 
 def free_chat(engines, gateway, system: str | None = None) -> Chat:
     chat = Chat(gateway, engines.free_prefill, engines.free_decode, engines.free_prefill, baseline_by_ids=True,
-                cache_salt=uuid.uuid4().hex)       # its own prefix-cache space on P: what it reads comes from D
+                cache_salt=uuid.uuid4().hex,       # its own prefix-cache space on P: what it reads comes from D
+                compare_later=True)
     if system is not None:
         chat.messages = [{"role": "system", "content": system}]
     return chat
@@ -59,7 +60,9 @@ def test_default_history_reads_d_kv_on_every_turn(engines, free_gateway, free_mo
     c = free_chat(engines, free_gateway, system)
     for i, question in enumerate(QUESTIONS):
         c.max_tokens = cut if i == 0 else 80
-        turn = c.say(question, stream=stream)
+        c.say(question, stream=stream)
+    c.compare()
+    for i, turn in enumerate(c.turns):
         assert turn.exact, f"turn {i + 1} differs from the engine alone given the same prompt ids"
         if i == 0:
             continue
@@ -76,8 +79,10 @@ def test_default_history_reads_d_kv_on_every_turn(engines, free_gateway, free_mo
 
 def test_rendered_history_loses_d_kv(engines, free_gateway_rendered):
     c = free_chat(engines, free_gateway_rendered)
-    for i, question in enumerate(QUESTIONS[:3]):
-        turn = c.say(question)
+    for question in QUESTIONS[:3]:
+        c.say(question)
+    c.compare()
+    for i, turn in enumerate(c.turns):
         assert turn.exact
         if i:
             assert turn.reason == "prefix_diverged" and turn.plan in ("partial", "full")
