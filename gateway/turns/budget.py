@@ -66,15 +66,20 @@ class PinBudget:
         idle handles to release first. A pin of the same key is being replaced (its turn consumed it): not
         counted and not released here."""
         others = [p for p in pins if p.key != key]
+        idle = sorted((p for p in others if not p.claimed), key=lambda p: (p.last_used, p.key))
+        return self.admit_oldest_first(self.pinned_blocks(others), idle, tokens, num_gpu_blocks)
+
+    def admit_oldest_first(self, pinned: int, idle: Iterable[Pin], tokens: int,
+                           num_gpu_blocks: int | None) -> Decision:
+        """`admit` from what a ledger keeps: the blocks the other handles pin and their idle ones, least
+        recently used first, read only as far as the new handle needs (no pass over every pin per turn)."""
         need = blocks(tokens, self.block_size)
-        pinned = self.pinned_blocks(others)
         budget = self.budget_blocks(num_gpu_blocks)
         if budget is None:
             return Decision((), True, pinned + need, None)
         if need > budget:                      # pinning it would evict everything else and still not fit
             return Decision((), False, pinned, budget)
         released: list[Hashable] = []
-        idle = sorted((p for p in others if not p.claimed), key=lambda p: (p.last_used, p.key))
         for pin in idle:
             if pinned + need <= budget:
                 break
