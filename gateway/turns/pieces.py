@@ -30,6 +30,11 @@ EncodeBatch = Callable[[list[str]], list[list[int]]]
 Piece = tuple[tuple[int, ...], bytes, bytes]   # a piece's ids, as int64 bytes, as JSON array items (no brackets)
 _NOTHING: Piece = ((), b"", b"")
 
+
+def piece(ids: Sequence[int]) -> Piece:
+    """Token ids in the three forms a prompt is joined from."""
+    return tuple(ids), array("q", ids).tobytes(), ",".join(map(str, ids)).encode()
+
 # Text a probe wraps around special tokens: spaces, newlines, digits, punctuation and non-ASCII at the edges.
 PROBE_PIECES = ("", "user\nHello world", " leading space", "trailing space ", "\n\n", "\n", "  two  spaces",
                 "ünïcödé — 中文 🙂", "1234567 89", "assistant\n", "a", "!?", "\tx\ty", "system\nYou are kind.")
@@ -79,7 +84,7 @@ class PieceEncoder:
         if not specials:
             raise ValueError("no special tokens to cut at")
         self._specials = specials
-        self._special_pieces = {s: ((i,), array("q", [i]).tobytes(), str(i).encode()) for s, i in specials.items()}
+        self._special_pieces = {s: piece([i]) for s, i in specials.items()}
         self.safe = safe_cuts(specials)
         alternatives = "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True))
         self._split = re.compile(f"({alternatives})").split
@@ -118,10 +123,10 @@ class PieceEncoder:
         if missing:
             self._add(missing, self._encode_batch(missing))
         out = []
-        for piece in pieces:
-            if piece:
-                out.append(cache[piece])
-                cache.move_to_end(piece)
+        for text in pieces:
+            if text:
+                out.append(cache[text])
+                cache.move_to_end(text)
             else:
                 out.append(_NOTHING)
         self.misses += len(missing)
@@ -134,9 +139,8 @@ class PieceEncoder:
         return self._special_pieces[special]
 
     def _add(self, pieces: list[str], encoded: list[list[int]]) -> None:
-        for piece, piece_ids in zip(pieces, encoded, strict=True):
-            items = ",".join(map(str, piece_ids)).encode()
-            self._cache[piece] = (tuple(piece_ids), array("q", piece_ids).tobytes(), items)
+        for text, piece_ids in zip(pieces, encoded, strict=True):
+            self._cache[text] = piece(piece_ids)
             self._cached_tokens += len(piece_ids)
 
     def _evict(self, keep: int) -> None:

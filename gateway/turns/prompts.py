@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from hashlib import blake2b
 
 from gateway.store import Answer
-from gateway.turns.pieces import PieceEncoder, TokenIds
+from gateway.turns.pieces import PieceEncoder, TokenIds, piece
 
 DEFAULT_PREFIX_BYTES = 256 * 1024 * 1024
 MAX_CHUNKS = 16                  # a prefix with more chunks is merged into one (a copy every MAX_CHUNKS turns)
@@ -300,21 +300,21 @@ class _Builder:
                 continue
             self._add(*found[i >> 1])
             if (answer := spliced[i >> 1]) is not None:
-                self._add(answer[1], array("q", answer[1]).tobytes(), ",".join(map(str, answer[1])).encode())
+                self._add(*piece(answer[1]))
             if part:
                 self.ends.extend((pos, pos + len(part)))
             pos += len(part)
 
     def span(self, span_text: str, span_ids: list[int], end: int) -> None:
-        self._add(span_ids, array("q", span_ids).tobytes(), ",".join(map(str, span_ids)).encode())
+        self._add(*piece(span_ids))
         self.spans.append((span_text, span_ids))
         self.segment_start = end
         self._mark(end)
 
-    def _generated(self, piece: str) -> tuple[str, list[int]] | None:
+    def _generated(self, part: str) -> tuple[str, list[int]] | None:
         for chars, known in self.by_length.items():
-            if 0 < chars <= len(piece) and (ids := known.get(text_hash(piece[len(piece) - chars:]))) is not None:
-                return piece[:len(piece) - chars], ids
+            if 0 < chars <= len(part) and (ids := known.get(text_hash(part[len(part) - chars:]))) is not None:
+                return part[:len(part) - chars], ids
         return None
 
     def result(self, text: str) -> tuple[TokenIds, Prefix | None]:
