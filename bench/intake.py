@@ -35,11 +35,11 @@ from bench.agent_loop import record  # noqa: E402
 from bench.workload import words  # noqa: E402
 from gateway.api.schemas import ChatRequest, parse  # noqa: E402
 from gateway.engines.client import _encode  # noqa: E402
-from gateway.turns.generated import answer, remember  # noqa: E402
-from gateway.turns.intake import Intake  # noqa: E402
-from gateway.turns.legs import decode_body, prefill_body  # noqa: E402
-from gateway.turns.messages import MessageCache  # noqa: E402
-from gateway.turns.render import Renderer  # noqa: E402
+from gateway.turns.intake.generated import answer, remember  # noqa: E402
+from gateway.turns.intake.intake import Intake  # noqa: E402
+from gateway.turns.legs.bodies import decode_body, prefill_body  # noqa: E402
+from gateway.turns.intake.messages import MessageCache  # noqa: E402
+from gateway.turns.intake.render import Renderer  # noqa: E402
 
 STAGES = ("parse", "render", "generated", "legs")
 SHAPES = {"1k": (1000, 0), "32k": (32000, 0), "11 msgs": (0, 5), "301 msgs": (0, 150)}

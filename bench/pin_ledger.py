@@ -1,5 +1,5 @@
 """The pin ledger's work per turn by the number of stored handles, side by side in one run: the ledger
-(gateway/turns/pins.py: per-D totals, insertion order, an expiry heap) vs a pass over every pin per turn, as the
+(gateway/turns/state/pins.py: per-D totals, insertion order, an expiry heap) vs a pass over every pin per turn, as the
 ledger was before (kept here as `EveryPin`, also the oracle of tests/unit/test_pin_ledger.py).
 
     python bench/pin_ledger.py [--turns 400] [--out bench/RESULTS.md | -]
@@ -27,8 +27,8 @@ if str(ROOT) not in sys.path:
 
 from bench.agent_loop import record  # noqa: E402
 from gateway.store import ConversationKey  # noqa: E402
-from gateway.turns.budget import Decision, Pin, PinBudget  # noqa: E402
-from gateway.turns.pins import PinLedger, Victim  # noqa: E402
+from gateway.turns.state.budget import Decision, Pin, PinBudget  # noqa: E402
+from gateway.turns.state.pins import PinLedger, Victim  # noqa: E402
 
 SECTION = "## 8. Pin ledger work per turn by stored handles (`bench/pin_ledger.py`)"
 BS = 16

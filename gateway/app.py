@@ -29,17 +29,16 @@ from gateway.startup import PinnedIdsProof, log_report
 from gateway.store import ConversationStore, open_store
 from gateway.telemetry import Metrics
 from gateway.tracing import Tracing, start_tracing
-from gateway.turns.calibration import PROBE_TEXT, RateProbe
-from gateway.turns.calls import EngineCalls
-from gateway.turns.conversations import ConversationAdmin
-from gateway.turns.fleet import EngineAdmin
-from gateway.turns.intake import Intake
-from gateway.turns.release import HandleReleaser
-from gateway.turns.render import Renderer
-from gateway.turns.budget import PinBudget
-from gateway.turns.pins import PinLedger
-from gateway.turns.state import ConversationState
-from gateway.turns.turn import TurnRunner
+from gateway.turns.legs.calibration import PROBE_TEXT, RateProbe
+from gateway.turns.legs.calls import EngineCalls
+from gateway.turns.admin import ConversationAdmin, EngineAdmin
+from gateway.turns.intake.intake import Intake
+from gateway.turns.legs.release import HandleReleaser
+from gateway.turns.intake.render import Renderer
+from gateway.turns.state.budget import PinBudget
+from gateway.turns.state.pins import PinLedger
+from gateway.turns.state.state import ConversationState
+from gateway.turns.runner import TurnRunner
 
 # What handlers are given, by parameter name: resources the lifespan builds and keeps in the app's state.
 _PROVIDED = ("gateway", "settings", "metrics", "intake", "api_keys", "conversations", "fleet", "readiness")

@@ -4,7 +4,7 @@ template parity, the store, and what all that means for reuse. Logged by the app
 
 Pinned prompt ids: each P is asked for one token with `kv_transfer_params.prompt_token_ids` set to the rendering
 of another conversation than its messages; an engine whose echoed prompt is the pinned one uses the gateway's
-verified ids by construction, so its P legs need not echo their prompt for a parity check (turns/turn.py). The
+verified ids by construction, so its P legs need not echo their prompt for a parity check (turns/runner.py). The
 proof is dropped when an engine leaves and re-run when it comes back healthy (`PinnedIdsProof.engine_back`).
 
 Template parity: the gateway renders a fixed conversation with its tokenizer and chat template and compares
@@ -23,11 +23,12 @@ import aiohttp
 
 from gateway.config import Settings, mask_url
 from gateway.engines.client import EngineClient
-from gateway.engines.pool import Engine, EnginePool
+from gateway.engines.engine import Engine
+from gateway.engines.pool import EnginePool
 from gateway.engines.probe import PINNED_IDS, PROBE_TIMEOUT_S, honours_pinned_ids, probe, tokenize_chat
 from gateway.errors import GatewayError
 from gateway.store import ConversationStore, open_store
-from gateway.turns.render import Renderer
+from gateway.turns.intake.render import Renderer
 
 log = logging.getLogger("gateway.startup")
 DEFAULT_BLOCK_SIZE = 16

@@ -28,7 +28,7 @@ class Metrics:
         self.turn_seconds = Histogram(
             "pdgw_turn_seconds", "Turn latency by phase", ["phase"], buckets=LATENCY_BUCKETS, registry=r)
         self.gateway_seconds = Histogram(
-            "pdgw_gateway_seconds", "The gateway's own time per turn, engine waits excluded, by span (turns/clock.py)",
+            "pdgw_gateway_seconds", "The gateway's own time per turn, engine waits excluded, by span (turns/intake/clock.py)",
             ["span"], buckets=GATEWAY_BUCKETS, registry=r)
         self.upstream_errors = Counter(
             "pdgw_upstream_errors", "Engine errors by pool and kind", ["pool", "kind"], registry=r)

@@ -14,8 +14,7 @@ from litestar.params import FromPath, FromQuery, JSONBody
 
 from gateway.config import DEFAULT_TENANT, Settings
 from gateway.errors import AuthenticationError, InvalidRequestError, NotFoundError
-from gateway.turns.conversations import ConversationAdmin, ConversationKey
-from gateway.turns.fleet import EngineAdmin
+from gateway.turns.admin import ConversationAdmin, ConversationKey, EngineAdmin
 
 
 def _authorize(request: Request, settings: Settings) -> None:

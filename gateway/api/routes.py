@@ -20,11 +20,12 @@ from gateway.api.schemas import ChatRequest, CompletionRequest, parse
 from gateway.config import Settings
 from gateway.errors import InvalidRequestError
 from gateway.telemetry import Metrics
-from gateway.turns.clock import TurnClock
-from gateway.turns.conversations import ConversationKey
-from gateway.turns.intake import Intake
-from gateway.turns.request import TurnRequest
-from gateway.turns.turn import TurnReply, TurnRunner
+from gateway.turns.intake.clock import TurnClock
+from gateway.turns.admin import ConversationKey
+from gateway.turns.intake.intake import Intake
+from gateway.turns.intake.request import TurnRequest
+from gateway.turns.runner import TurnRunner
+from gateway.turns.turn import TurnReply
 
 Readiness = Callable[[], Awaitable[dict[str, Any]]]
 
@@ -84,7 +85,7 @@ ROUTES = [chat_completions, completions, models, health, ready, metrics, openapi
 
 async def _turn(request: Request, gateway: Gateway, schema: type, intake: Callable[..., TurnRequest]) -> ASGIApp:
     """Authenticate, validate, render, run: the same for chat and completions. A session turn's store claim
-    is sent before rendering and overlaps it; a turn refused meanwhile puts it back (turns/state.py)."""
+    is sent before rendering and overlaps it; a turn refused meanwhile puts it back (turns/state/state.py)."""
     began = time.perf_counter()
     tenant = gateway.api_keys.tenant_for(request.headers.get("authorization"))
     body, parsed = parse(await request.body(), schema)

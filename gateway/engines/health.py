@@ -1,5 +1,5 @@
 """Active health checks: poll every engine's `/health`, keep `Engine.healthy` and the gauge current.
-Passive ejection (consecutive request failures) is the circuit breaker in pool.py.
+Passive ejection (consecutive request failures) is the circuit breaker in engine.py.
 
 A probe that times out is not a miss by itself: an engine busy with prompts answers `/health` late, and on a
 loaded machine every engine of a pool does at once; marking them down turned overload into 503s for everyone
@@ -15,7 +15,8 @@ from collections.abc import Callable
 
 from gateway.engines.capacity import read_capacity
 from gateway.engines.client import EngineClient
-from gateway.engines.pool import Engine, EnginePool
+from gateway.engines.engine import Engine
+from gateway.engines.pool import EnginePool
 from gateway.errors import EngineTimeoutError, GatewayError
 from gateway.telemetry import Metrics
 

@@ -12,7 +12,7 @@ import msgspec
 from gateway.engines import kv
 from gateway.engines.capacity import kv_capacity
 from gateway.engines.client import EngineClient
-from gateway.engines.pool import Engine
+from gateway.engines.engine import Engine
 from gateway.errors import GatewayError
 
 PROBE_TIMEOUT_S = 3.0

@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 
 from gateway.engines.health import HealthChecker
-from gateway.engines.pool import Engine, EnginePool, Role
+from gateway.engines.engine import Engine, Role
+from gateway.engines.pool import EnginePool
 from gateway.telemetry import Metrics
 
 log = logging.getLogger(__name__)

@@ -12,15 +12,13 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from gateway.config import Settings
+from gateway.engines.engine import Engine
 from gateway.errors import EngineUnavailableError
 
-if TYPE_CHECKING:
-    from gateway.engines.pool import Engine
-
-RAMP_REQUESTS = 8            # a re-admitted engine scores as if this busy, decaying to 0 over pool.RAMP_S
+RAMP_REQUESTS = 8            # a re-admitted engine scores as if this busy, decaying to 0 over engine.RAMP_S
 RAMP_TOKENS = 8192
 FULL_KV_REQUESTS = 8         # a D with no free KV scores as if this many more requests were outstanding
 

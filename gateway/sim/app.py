@@ -15,7 +15,8 @@ from litestar import Litestar, MediaType, Request, Response, get, post
 from litestar.response import Stream
 
 from gateway.sim import wire
-from gateway.sim.engine import Engine, KVLoadParked
+from gateway.sim.engine import Engine
+from gateway.sim.reading import KVLoadParked
 from gateway.sim.metrics import render_metrics
 from gateway.sim.render import Renderer, RenderError
 from gateway.sim.serving import Serving, SimRequestError

@@ -16,7 +16,8 @@ import msgspec
 
 from gateway.sim import wire
 from gateway.sim.blocks import PoolExhaustedError
-from gateway.sim.engine import Engine, EngineRequest, KVLoadError, KVLoadParked, Running
+from gateway.sim.engine import Engine, EngineRequest, Running
+from gateway.sim.reading import KVLoadError, KVLoadParked
 from gateway.sim.generate import THINK_CLOSE, THINK_OPEN
 from gateway.sim.render import Renderer, RenderError
 from gateway.sim.settings import SimSettings

@@ -4,10 +4,7 @@ No method awaits between reading and writing an entry, so every operation is ato
 is what makes the single-use claim hold here. Records and handles are kept msgpack-encoded, exactly as in
 Redis, so both stores hand back equal (and unaliased) values.
 
-The prefix index lives beside the entries: (tenant, index hash) → the conversations indexed there, each with
-its handle's expiry, soonest-expiring first. An entry leaves the index when its handle is claimed or replaced
-and when its conversation is deleted, expires or is evicted, and comes back when a claim is put back, so the
-index never holds more than one entry per conversation.
+The prefix index lives beside the entries (memory_index.py); each entry remembers the hash it is filed under.
 """
 
 from __future__ import annotations
@@ -16,7 +13,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import islice
 from typing import Any
 
 from .base import (
@@ -34,6 +30,7 @@ from .base import (
     index_hash,
 )
 from .codec import decode_handle, decode_record, encode_handle, encode_record
+from .memory_index import PrefixIndex
 
 DEFAULT_MAX_CONVERSATIONS = 100_000
 
@@ -50,9 +47,6 @@ class _Entry:
     held: int = 0  # the record's held_tokens, for lookups
     indexed: bytes | None = None  # this conversation's prefix-index entry, if it has one
     evicted: int = 0  # the finished turn whose handle evict_handle took (0: none); reported once
-
-
-_IndexKey = tuple[str, bytes]  # (tenant, index hash)
 
 
 class MemoryConversationStore:
@@ -72,7 +66,7 @@ class MemoryConversationStore:
         self._clock = clock
         # Ordered by last write; with one TTL for all, the front is also the first to expire.
         self._entries: OrderedDict[ConversationKey, _Entry] = OrderedDict()
-        self._index: dict[_IndexKey, dict[ConversationKey, float]] = {}
+        self._index = PrefixIndex()
 
     async def begin_turn(self, key: ConversationKey, now: float) -> TurnStart:
         check_key(key)
@@ -125,12 +119,7 @@ class MemoryConversationStore:
         check_tenant(tenant)
         holders: list[Holder] = []
         for blocks in range(len(block_hashes), 0, -1):
-            members = self._index.get((tenant, block_hashes[blocks - 1]))
-            if not members:
-                continue
-            # Listed before any entry is touched: reading an expired entry unfiles it from `members`.
-            live = list(islice((key for key, expires_at in members.items() if expires_at > now), limit))
-            for key in live:
+            for key in self._index.live(tenant, block_hashes[blocks - 1], now, limit):
                 entry = self._live(key)
                 if entry is None or entry.record is None or entry.held > prompt_tokens:
                     continue
@@ -246,25 +235,12 @@ class MemoryConversationStore:
         if digest is None:
             return
         entry.indexed = digest
-        members = self._index.setdefault((key.tenant, digest), {})
-        # Dead handles leave first, as in Redis, so a set many identical conversations share stays the size of
-        # its live holders. Kept in expiry order (a put-back files an older handle after newer ones).
-        while members and next(iter(members.values())) <= now:
-            del members[next(iter(members))]
-        in_order = not members or next(reversed(members.values())) <= expires_at
-        members[key] = expires_at
-        if not in_order:
-            self._index[(key.tenant, digest)] = dict(sorted(members.items(), key=lambda item: item[1]))
+        self._index.file(key, digest, expires_at, now)
 
     def _unindex(self, key: ConversationKey, entry: _Entry) -> None:
         if entry.indexed is None:
             return
-        where = (key.tenant, entry.indexed)
-        members = self._index.get(where)
-        if members is not None:
-            members.pop(key, None)
-            if not members:
-                del self._index[where]
+        self._index.unfile(key, entry.indexed)
         entry.indexed = None
 
 

@@ -1,0 +1,4 @@
+"""The turn, from a client's request to its recorded outcome: `intake/` makes the request a TurnRequest,
+`reuse/` decides what the turn reuses, `legs/` talks to the engines, `state/` keeps the conversation in the
+store; the flat modules run one turn through them (runner.py). Sub-packages import only those before them in
+that list (tests/unit/test_layering.py)."""

@@ -27,7 +27,7 @@ import httpx
 import numpy as np
 from transformers import AutoTokenizer
 
-from gateway.turns.render import BUILTIN_DIR
+from gateway.turns.intake.render import BUILTIN_DIR
 
 BASE_PROMPT = "Please rewrite the following text and add more content: "
 WORDS = ("the count of monte cristo sailed from marseilles harbour at dawn while dantes watched the old "

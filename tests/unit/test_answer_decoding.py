@@ -6,8 +6,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from gateway.turns.request import TurnRequest
-from gateway.turns.pieces import TokenIds
+from gateway.turns.intake.request import TurnRequest
+from gateway.turns.intake.pieces import TokenIds
 
 
 def _req(ids, endpoint="/v1/chat/completions") -> TurnRequest:

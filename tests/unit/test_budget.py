@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.turns.budget import Decision, Pin, PinBudget, blocks
+from gateway.turns.state.budget import Decision, Pin, PinBudget, blocks
 
 BS = 16
 

@@ -1,4 +1,4 @@
-"""The cost plan's calibration probe (turns/calibration.py): the arithmetic of its three times, the requests it
+"""The cost plan's calibration probe (turns/legs/calibration.py): the arithmetic of its three times, the requests it
 sends (a scripted engine client, real pools), and what it leaves behind when a step fails."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from gateway.config import Settings
 from gateway.engines.pool import EnginePool
 from gateway.errors import EngineFailedError
 from gateway.telemetry import Metrics
-from gateway.turns.calibration import NEW_TOKENS, RateProbe, sample_of
-from gateway.turns.calls import EngineCalls
-from gateway.turns.rates import PrefillTiming, ProbeSample, Rates
-from gateway.turns.release import HandleReleaser
+from gateway.turns.legs.calibration import NEW_TOKENS, RateProbe, sample_of
+from gateway.turns.legs.calls import EngineCalls
+from gateway.turns.reuse.rates import PrefillTiming, ProbeSample, Rates
+from gateway.turns.legs.release import HandleReleaser
 
 P, D = "http://p0", "http://d0"
 

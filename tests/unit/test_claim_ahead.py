@@ -1,4 +1,4 @@
-"""Claiming ahead (turns/state.py `ClaimAhead`): a session turn's store claim goes out before the turn is
+"""Claiming ahead (turns/state/state.py `ClaimAhead`): a session turn's store claim goes out before the turn is
 rendered; a turn that then does not run (refused by intake or admission, its client gone) puts its begin back,
 so the conversation's next turn reuses, and the pin ledger and the store still agree on which handle is idle.
 Over the Redis store's scripts (fakeredis): the embedded store claims in place, with nothing to overlap."""
@@ -16,12 +16,12 @@ from gateway.engines.pool import EnginePool
 from gateway.errors import InvalidRequestError, OverloadedError
 from gateway.store import ConversationKey, MemoryConversationStore, RedisConversationStore, StoreUnavailableError
 from gateway.telemetry import Metrics
-from gateway.turns.calls import EngineCalls
-from gateway.turns.budget import PinBudget
-from gateway.turns.pins import PinLedger
-from gateway.turns.plan import Plan, PlanKind, Reason
-from gateway.turns.state import ConversationState, Served
-from gateway.turns.turn import TurnRunner
+from gateway.turns.legs.calls import EngineCalls
+from gateway.turns.state.budget import PinBudget
+from gateway.turns.state.pins import PinLedger
+from gateway.turns.reuse.plan import Plan, PlanKind, Reason
+from gateway.turns.state.state import ConversationState, Served
+from gateway.turns.runner import TurnRunner
 from tests.unit.test_pins import BS, D, Releaser, capture, request
 
 fakeredis = pytest.importorskip("fakeredis")

@@ -10,8 +10,8 @@ import pytest
 
 from gateway.api.schemas import ChatRequest, CompletionRequest, parse
 from gateway.errors import InvalidRequestError
-from gateway.turns.intake import Intake
-from gateway.turns.render import Renderer
+from gateway.turns.intake.intake import Intake
+from gateway.turns.intake.render import Renderer
 
 LIMIT = 256
 

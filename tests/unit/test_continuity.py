@@ -2,7 +2,7 @@
 
 import pytest
 
-from gateway.turns.continuity import Fingerprint, block_hashes, check
+from gateway.turns.reuse.continuity import Fingerprint, block_hashes, check
 
 BS = 4
 S = list(range(100, 122))          # D holds 22 tokens of sequence; R = 21 (the last sampled token has no KV)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.turns.cost import Choice, CostReason, PairCosts, Rate, choose
+from gateway.turns.reuse.cost import Choice, CostReason, PairCosts, Rate, choose
 
 KV_BYTES = 36 * 1024          # the bench's 2.8 B model: 36 KiB of KV per token
 PREFILL = 63_000              # tokens/s, vLLM's prefill time on the co-located engine

@@ -12,7 +12,7 @@ import pytest
 
 from gateway.config import ENV_PREFIX, Settings
 from gateway.telemetry import Metrics
-from gateway.turns.plan import Reason
+from gateway.turns.reuse.plan import Reason
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()

@@ -12,10 +12,10 @@ import pytest
 from aiohttp import web
 
 from gateway.engines.client import EngineClient
-from gateway.engines.pool import FAILURES_TO_EJECT, Engine
+from gateway.engines.engine import FAILURES_TO_EJECT, Engine
 from gateway.errors import InvalidRequestError, UpstreamError
 from gateway.telemetry import Metrics
-from gateway.turns.calls import EngineCalls
+from gateway.turns.legs.calls import EngineCalls
 
 TOO_LONG = {"error": {"message": "This model's maximum context length is 64 tokens. However, your request has "
                                  "99 input tokens. Please reduce the length of the input messages.",

@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.turns.continuity import Fingerprint, check, held_fingerprint
-from gateway.turns.pieces import TokenIds
+from gateway.turns.reuse.continuity import Fingerprint, check, held_fingerprint
+from gateway.turns.intake.pieces import TokenIds
 
 IDS = st.lists(st.integers(0, 70_000), max_size=120)
 
@@ -41,7 +41,7 @@ def test_no_engine_prompt_means_only_the_output_is_known():
 
 
 def test_memo_compare_rejects_a_diverged_prompt_and_hash_fallback_agrees():
-    from gateway.turns import continuity
+    from gateway.turns.reuse import continuity
 
     held_seq = list(range(100, 164))
     fp = Fingerprint.of(held_seq, 63, 16)                  # memoized: this process fingerprinted it
@@ -54,7 +54,7 @@ def test_memo_compare_rejects_a_diverged_prompt_and_hash_fallback_agrees():
 
 
 def test_memo_is_bounded():
-    from gateway.turns.continuity import HeldPrefixes
+    from gateway.turns.reuse.continuity import HeldPrefixes
 
     memo = HeldPrefixes(max_bytes=1000)
     for i in range(50):

@@ -2,8 +2,8 @@
 
 from tokenizers.decoders import DecodeStream
 
-from gateway.turns.generated import MAX_ANSWER_TOKENS, answer, remember
-from gateway.turns.render import Renderer
+from gateway.turns.intake.generated import MAX_ANSWER_TOKENS, answer, remember
+from gateway.turns.intake.render import Renderer
 
 MESSAGES = [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "General Kenobi"},
             {"role": "user", "content": "You are a bold one"}]

@@ -1,4 +1,6 @@
-"""Imports flow one way (STYLE.md): api → turns → engines, store; the simulator imports nothing of the gateway."""
+"""Imports flow one way (STYLE.md): api → turns → engines, store; the simulator imports nothing of the gateway.
+Inside turns/ too: intake → reuse → legs → state → the flat modules that run a turn, each importing only those
+before it (docs/architecture.md)."""
 
 import ast
 from pathlib import Path
@@ -16,6 +18,10 @@ ALLOWED = {
     "sim": set(),
 }
 LEAVES = {"errors", "config", "telemetry", "tracing"}
+# turns/ sub-package → the turns sub-packages it may import (besides itself), and the gateway packages
+TURNS_ORDER = ["intake", "reuse", "legs", "state"]
+TURNS_PACKAGES = {"intake": {"store"}, "reuse": {"engines", "store"}, "legs": {"engines", "store"},
+                  "state": {"engines", "store"}}
 # top-level modules → gateway packages and modules they may import (besides the leaves)
 TOP_LEVEL = {
     "__main__": {"cli"},
@@ -64,6 +70,86 @@ def test_imports_follow_the_arrows(package, path):
         assert top not in FOREIGN_BANS.get(package, set()), f"{path.name} imports {top}"
 
 
+def turns_modules():
+    for path in sorted((ROOT / "turns").rglob("*.py")):
+        parts = path.relative_to(ROOT / "turns").parts
+        room = parts[0] if len(parts) > 1 else None        # None: a flat module that runs the turn
+        yield pytest.param(room, path, id=str(path.relative_to(ROOT)))
+
+
+@pytest.mark.parametrize(("room", "path"), list(turns_modules()))
+def test_turns_rooms_follow_their_order(room, path):
+    allowed = set(TURNS_ORDER) if room is None else set(TURNS_ORDER[:TURNS_ORDER.index(room) + 1])
+    for name in imports(path):
+        parts = name.split(".")
+        if parts[:2] != ["gateway", "turns"]:
+            if room is not None and parts[0] == "gateway" and len(parts) > 1:
+                assert parts[1] in TURNS_PACKAGES[room] | LEAVES | {"turns"}, f"turns/{room} imports {name}"
+            continue
+        target = parts[2] if len(parts) > 2 else ""
+        if room is not None:        # a room imports no flat module, and only the rooms before it
+            assert target in allowed, f"turns/{room}/{path.name} imports {name}"
+
+
+def test_turns_rooms_are_all_ordered_and_few_modules_stay_flat():
+    rooms = {p.name for p in (ROOT / "turns").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert rooms == set(TURNS_ORDER)
+    assert len([p for p in (ROOT / "turns").glob("*.py") if p.stem != "__init__"]) <= 8
+    for room in rooms:
+        doc = ast.get_docstring(ast.parse((ROOT / "turns" / room / "__init__.py").read_text()))
+        assert doc and "imports" in doc, f"turns/{room}/__init__.py says what it holds and may import"
+
+
+def test_no_class_over_200_lines_no_module_over_400():
+    for path in ROOT.rglob("*.py"):
+        text = path.read_text()
+        assert len(text.splitlines()) <= 400, f"{path.relative_to(ROOT)} has {len(text.splitlines())} lines"
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                assert node.end_lineno - node.lineno < 200, f"{path.relative_to(ROOT)}: {node.name}"
+
+
+def submodules_imported(path: Path, known) -> set[str]:
+    """`from gateway.turns.reuse import plan`: the module `plan`, not only the package."""
+    return {f"{node.module}.{a.name}" for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+            for a in node.names if f"{node.module}.{a.name}" in known}
+
+
+def _module_of(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_import_circle_between_gateway_modules():
+    """TYPE_CHECKING imports included: a circle there is one a refactor trips over."""
+    known = {_module_of(p): p for p in ROOT.rglob("*.py")}
+    graph = {}
+    for module, path in known.items():
+        targets = set()
+        for name in imports(path) | submodules_imported(path, known):
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name and name != module and not module.startswith(name + "."):   # a package's own __init__
+                targets.add(name)
+        graph[module] = targets
+    done, on_path = set(), []
+
+    def visit(module):
+        if module in on_path:
+            raise AssertionError(" -> ".join(on_path[on_path.index(module):] + [module]))
+        if module in done:
+            return
+        on_path.append(module)
+        for target in graph[module]:
+            visit(target)
+        on_path.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
+
+
 def test_every_top_level_module_is_covered():
     assert {p.stem for p in ROOT.glob("*.py")} - {"__init__"} == set(TOP_LEVEL) | LEAVES
 
@@ -80,7 +166,7 @@ def test_top_level_modules_follow_the_arrows(module):
 def test_transformers_only_in_render_and_sim():
     users = {p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.py")
              if any(n.split(".")[0] == "transformers" for n in imports(p))}
-    assert {u for u in users if not u.startswith("sim/")} <= {"turns/render.py"}
+    assert {u for u in users if not u.startswith("sim/")} <= {"turns/intake/render.py"}
 
 
 @pytest.mark.parametrize("leaf", sorted(LEAVES))

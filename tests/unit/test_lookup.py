@@ -16,10 +16,10 @@ from gateway.store import (
     HolderState,
     MemoryConversationStore,
 )
-from gateway.turns.continuity import Fingerprint, block_hashes
-from gateway.turns.lookup import How, PromptChains, claimable
-from gateway.turns.pieces import TokenIds
-from gateway.turns.sessionless import ConversationFinder, begin_sessionless
+from gateway.turns.reuse.continuity import Fingerprint, block_hashes
+from gateway.turns.reuse.lookup import How, PromptChains, claimable
+from gateway.turns.intake.pieces import TokenIds
+from gateway.turns.state.sessionless import ConversationFinder, begin_sessionless
 
 BS = 4
 SYS = list(range(1, 11))                    # a system prompt many conversations share

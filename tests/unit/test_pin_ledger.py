@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from bench.pin_ledger import EveryPin
 from gateway.store import ConversationKey
-from gateway.turns.budget import PinBudget
-from gateway.turns.pins import PinLedger
+from gateway.turns.state.budget import PinBudget
+from gateway.turns.state.pins import PinLedger
 
 BS = 16
 ENGINES = ["d0", "d1"]

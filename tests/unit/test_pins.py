@@ -10,12 +10,12 @@ from gateway.engines import kv
 from gateway.engines.pool import EnginePool
 from gateway.store import ConversationKey, MemoryConversationStore
 from gateway.telemetry import Metrics
-from gateway.turns.budget import PinBudget
-from gateway.turns.capture import DecodeCapture
-from gateway.turns.pins import PinLedger
-from gateway.turns.plan import Plan, PlanKind, Reason
-from gateway.turns.request import TurnRequest
-from gateway.turns.state import ConversationState, Served
+from gateway.turns.state.budget import PinBudget
+from gateway.turns.legs.capture import DecodeCapture
+from gateway.turns.state.pins import PinLedger
+from gateway.turns.reuse.plan import Plan, PlanKind, Reason
+from gateway.turns.intake.request import TurnRequest
+from gateway.turns.state.state import ConversationState, Served
 
 BS = 4
 D = "http://d0"

@@ -5,9 +5,9 @@ import pytest
 
 from gateway.engines import kv
 from gateway.engines.kv import Handle
-from gateway.turns.continuity import Fingerprint
-from gateway.turns.cost import PairCosts
-from gateway.turns.plan import (Claim, PlanKind, Reason, Setback, by_cost, first_plan, full, plan_with_handle,
+from gateway.turns.reuse.continuity import Fingerprint
+from gateway.turns.reuse.cost import PairCosts
+from gateway.turns.reuse.plan import (Claim, PlanKind, Reason, Setback, by_cost, first_plan, full, plan_with_handle,
                                  replan)
 
 BS = 4

@@ -9,7 +9,7 @@ import pytest
 from aiohttp import web
 
 from gateway.engines.client import EngineClient
-from gateway.engines.pool import Engine
+from gateway.engines.engine import Engine
 from gateway.engines.probe import honours_pinned_ids, kv_transfer_of
 
 

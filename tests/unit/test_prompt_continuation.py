@@ -1,4 +1,4 @@
-"""A turn's prompt continued from the conversation's previous one (turns/prompts.py, turns/messages.py) must be
+"""A turn's prompt continued from the conversation's previous one (turns/intake/prompts.py, turns/intake/messages.py) must be
 exactly the prompt rendered and encoded whole: for every tokenizer and template the start-up check accepts,
 turn after turn, with regenerations, edits and truncations, with tool calls, and with past answers spliced in
 as the ids D generated (history_tokens "generated")."""
@@ -18,12 +18,12 @@ from hypothesis import strategies as st
 from gateway.api.schemas import MAX_JSON_DEPTH, ChatRequest, parse
 from gateway.errors import InvalidRequestError
 from gateway.store import Answer
-from gateway.turns.generated import answer, remember
-from gateway.turns.intake import Intake
-from gateway.turns.pieces import PieceEncoder, exact_specials, safe_cuts
-from gateway.turns.prompts import Lineage, PromptEncoder, PromptPrefixes, text_hash
-from gateway.turns.render import Renderer
-from gateway.turns.tools import calls_key, check_chat
+from gateway.turns.intake.generated import answer, remember
+from gateway.turns.intake.intake import Intake
+from gateway.turns.intake.pieces import PieceEncoder, exact_specials, safe_cuts
+from gateway.turns.intake.prompts import Lineage, PromptEncoder, PromptPrefixes, text_hash
+from gateway.turns.intake.render import Renderer
+from gateway.turns.intake.tools import calls_key, check_chat
 from tests.unit.test_render_incremental import TEXT, TOKENIZERS
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
@@ -365,8 +365,8 @@ def test_the_first_turn_with_answers_continues_the_plain_prompt_and_an_edit_the_
 
 
 def test_known_messages_and_decoded_answers_are_bounded() -> None:
-    from gateway.turns.messages import MessageCache
-    from gateway.turns.render import _Decoded
+    from gateway.turns.intake.messages import MessageCache
+    from gateway.turns.intake.render import _Decoded
 
     cache = MessageCache(max_bytes=20_000)
     for i in range(100):

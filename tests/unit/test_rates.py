@@ -1,11 +1,11 @@
-"""The rates the cost plan weighs, learned from P legs' timings (gateway/turns/rates.py)."""
+"""The rates the cost plan weighs, learned from P legs' timings (gateway/turns/reuse/rates.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.turns.cost import PairCosts
-from gateway.turns.rates import MIN_READ_TOKENS, PrefillTiming, Rates, split
+from gateway.turns.reuse.cost import PairCosts
+from gateway.turns.reuse.rates import MIN_READ_TOKENS, PrefillTiming, Rates, split
 
 P, P2, D = "http://p", "http://p2", "http://d"
 

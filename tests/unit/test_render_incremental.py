@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.turns.pieces import PieceEncoder, TokenIds, exact_specials
-from gateway.turns.render import Renderer
+from gateway.turns.intake.pieces import PieceEncoder, TokenIds, exact_specials
+from gateway.turns.intake.render import Renderer
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 

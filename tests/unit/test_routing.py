@@ -2,7 +2,7 @@
 
 import pytest
 
-from gateway.engines import pool as pool_module
+from gateway.engines import engine as pool_module
 from gateway.engines.pool import EnginePool
 from gateway.errors import EngineUnavailableError, OverloadedError
 from gateway.turns.admission import Admission

@@ -4,7 +4,7 @@ import pytest
 
 from gateway.config import Settings
 from gateway.engines import routing
-from gateway.engines.pool import Engine
+from gateway.engines.engine import Engine
 from gateway.errors import EngineUnavailableError
 
 WANT = routing.Want(now=100.0, exclude=frozenset({"http://x"}), previous="http://a", slack_tokens=10,

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from gateway.errors import InvalidRequestError
 from gateway.sim.render import Renderer as SimRenderer
-from gateway.turns.generated import remember, tool_answer
-from gateway.turns.render import Renderer
-from gateway.turns.tools import calls_key, check_chat, merge_calls
+from gateway.turns.intake.generated import remember, tool_answer
+from gateway.turns.intake.render import Renderer
+from gateway.turns.intake.tools import calls_key, check_chat, merge_calls
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}},

@@ -1,12 +1,12 @@
-"""The gateway's own time per turn (turns/clock.py): spans between marks, engine waits taken out of `internal`."""
+"""The gateway's own time per turn (turns/intake/clock.py): spans between marks, engine waits taken out of `internal`."""
 
 from __future__ import annotations
 
 import pytest
 
 from gateway.telemetry import Metrics
-from gateway.turns import clock as clocks
-from gateway.turns.clock import SPANS, TurnClock
+from gateway.turns.intake import clock as clocks
+from gateway.turns.intake.clock import SPANS, TurnClock
 
 
 @pytest.fixture

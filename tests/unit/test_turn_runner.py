@@ -15,12 +15,12 @@ from gateway.engines.probe import PINNED_IDS
 from gateway.errors import EngineConnectError, EngineFailedError, EngineTimeoutError, GatewayError
 from gateway.store import Conversation, ConversationKey, MemoryConversationStore
 from gateway.telemetry import Metrics
-from gateway.turns.calls import EngineCalls
-from gateway.turns.continuity import Fingerprint
-from gateway.turns.release import HandleReleaser
-from gateway.turns.request import TurnRequest
-from gateway.turns.state import ConversationState
-from gateway.turns.turn import TurnRunner
+from gateway.turns.legs.calls import EngineCalls
+from gateway.turns.reuse.continuity import Fingerprint
+from gateway.turns.legs.release import HandleReleaser
+from gateway.turns.intake.request import TurnRequest
+from gateway.turns.state.state import ConversationState
+from gateway.turns.runner import TurnRunner
 
 BS = 4
 HISTORY = list(range(100, 120))                 # what D holds from the last turn: R = 20 tokens

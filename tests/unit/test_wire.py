@@ -7,9 +7,9 @@ from gateway.api.schemas import ChatRequest, CompletionRequest, parse
 from gateway.engines.sse import EventSplitter
 from gateway.errors import InvalidRequestError
 from gateway.engines.kv import Handle
-from gateway.turns.capture import DecodeCapture
-from gateway.turns.legs import decode_body, prefill_body
-from gateway.turns.request import TurnRequest
+from gateway.turns.legs.capture import DecodeCapture
+from gateway.turns.legs.bodies import decode_body, prefill_body
+from gateway.turns.intake.request import TurnRequest
 
 
 def test_sse_splitter_handles_arbitrary_cuts():
@@ -93,7 +93,7 @@ def test_capture_strips_engine_internals_unless_asked():
 
 
 def test_token_id_prompts_outside_the_vocabulary_are_400():
-    from gateway.turns.render import Renderer
+    from gateway.turns.intake.render import Renderer
 
     renderer = Renderer("builtin:demo")
     assert renderer.render_prompt([1, 2, 3]) == [1, 2, 3]

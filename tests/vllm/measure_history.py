@@ -18,8 +18,8 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from gateway.turns.generated import text_of
-from gateway.turns.render import Renderer
+from gateway.turns.intake.generated import text_of
+from gateway.turns.intake.render import Renderer
 from tests.servers import Server, start
 from tests.vllm.chat import Chat, Turn
 from tests.vllm.conftest import HANDLE_TTL_MARGIN_S, ROOT

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from gateway.turns.render import Renderer
+from gateway.turns.intake.render import Renderer
 from tests.vllm.chat import Chat
 from tests.vllm.engines import BLOCK_SIZE, SERVED_MODEL
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.store import DEFAULT_MAX_HOLDERS, ConversationKey, ConversationStore, TurnStart
-from gateway.turns.lookup import How, claimable, prompt_hashes
+from gateway.turns.reuse.lookup import How, claimable, prompt_hashes
 
 GENERATED_PREFIX = "pdgw-"  # generated session keys: never shown to clients, 128 random bits
 LOOKUPS = 2  # a full page of holders all lost to racers: look once more (the claimed ones have left the index)

@@ -12,8 +12,11 @@ from enum import StrEnum
 from typing import Literal
 
 from gateway.engines.kv import Handle
-from gateway.turns.continuity import Fingerprint, check
-from gateway.turns.cost import CostReason, PairCosts, choose
+from gateway.turns.reuse.continuity import Fingerprint, check
+from gateway.turns.reuse.cost import CostReason, PairCosts, choose
+
+
+Leg = Literal["prefill", "decode"]
 
 
 class PlanKind(StrEnum):
@@ -51,6 +54,11 @@ class Plan:
     reused_tokens: int = 0
     handle: Handle | None = None        # what P reads D's KV through (None: a full prefill)
     release: Handle | None = None       # a claimed handle this turn will not use: free D's blocks
+
+    @property
+    def first_leg(self) -> Leg:
+        """The leg the runner starts with: every path prefills on P first."""
+        return "prefill"
 
 
 def full(reason: Reason, release: Handle | None = None) -> Plan:
@@ -111,9 +119,6 @@ def by_cost(plan: Plan, costs: PairCosts, p_cached_tokens: int) -> Plan:
 
 
 # -- every later change -------------------------------------------------------------------------------------
-Leg = Literal["prefill", "decode"]
-
-
 class Setback(StrEnum):
     """What a leg reports; the planner decides what it means."""
     REFUSED = "refused"      # the connection was refused: the engine never saw the request

@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 
 from gateway.engines import kv
-from gateway.turns.request import TurnRequest
+from gateway.turns.intake.request import TurnRequest
 
 # Fields that only make sense on the leg that produces the client's answer.
 _DECODE_ONLY = ("stream", "stream_options", "min_tokens", "max_completion_tokens", "logprobs", "top_logprobs")

@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import TypeVar
 
-from gateway.engines.pool import Engine
+from gateway.engines.engine import Engine
 from gateway.errors import EngineConnectError, EngineTimeoutError, UpstreamError
 from gateway.telemetry import Metrics
-from gateway.turns.plan import Leg, Setback
+from gateway.turns.reuse.plan import Leg, Setback
 
 T = TypeVar("T")
 

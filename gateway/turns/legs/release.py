@@ -12,7 +12,7 @@ from gateway.engines.client import EngineClient
 from gateway.engines.pool import EnginePool
 from gateway.errors import GatewayError
 from gateway.telemetry import Metrics
-from gateway.turns.calls import EngineCalls
+from gateway.turns.legs.calls import EngineCalls
 
 log = logging.getLogger(__name__)
 RELEASE_TIMEOUT_S = 30.0

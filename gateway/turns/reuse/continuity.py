@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from hashlib import blake2b
 from typing import Any, Literal
 
-from gateway.turns.pieces import TokenIds
+from gateway.turns.intake.pieces import TokenIds
 
 HASH_BYTES = 16
 TOKEN_BYTES = 8               # ids are hashed as int64 little-endian
@@ -103,7 +103,7 @@ def block_hashes(ids: list[int], block_size: int, limit: int | None = None) -> l
 
 
 def chain_bytes(ids: list[int], block_size: int, limit: int | None = None, known: bytes = b"") -> bytes:
-    """`_chain`, for the prefix lookup's memo of recent prompts (turns/lookup.py)."""
+    """`_chain`, for the prefix lookup's memo of recent prompts (turns/reuse/lookup.py)."""
     return _chain(ids, block_size, limit, known)
 
 

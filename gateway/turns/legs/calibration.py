@@ -29,11 +29,12 @@ from typing import Any
 from gateway.config import Settings
 from gateway.engines import kv
 from gateway.engines.client import EngineClient
-from gateway.engines.pool import Engine, EnginePool
+from gateway.engines.engine import Engine
+from gateway.engines.pool import EnginePool
 from gateway.errors import GatewayError
-from gateway.turns.calls import EngineCalls
-from gateway.turns.rates import MIN_READ_TOKENS, ProbeSample, Rates
-from gateway.turns.release import HandleReleaser
+from gateway.turns.legs.calls import EngineCalls
+from gateway.turns.reuse.rates import MIN_READ_TOKENS, ProbeSample, Rates
+from gateway.turns.legs.release import HandleReleaser
 
 log = logging.getLogger(__name__)
 

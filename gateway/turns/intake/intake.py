@@ -7,12 +7,12 @@ from typing import Any
 import msgspec
 
 from gateway.errors import InvalidRequestError, ModelNotFoundError
-from gateway.turns.context import COMPLETIONS_DEFAULT_MAX_TOKENS, ContextLimit, longest_token_chars
-from gateway.turns.messages import Messages
-from gateway.turns.prompts import Lineage
-from gateway.turns.request import Endpoint, TurnRequest
-from gateway.turns.render import Renderer
-from gateway.turns.tools import check_chat
+from gateway.turns.intake.context import COMPLETIONS_DEFAULT_MAX_TOKENS, ContextLimit, longest_token_chars
+from gateway.turns.intake.messages import Messages
+from gateway.turns.intake.prompts import Lineage
+from gateway.turns.intake.request import Endpoint, TurnRequest
+from gateway.turns.intake.render import Renderer
+from gateway.turns.intake.tools import check_chat
 
 # Never forwarded: a client handle could point an engine at any host or another conversation's blocks.
 _STRIPPED = ("kv_transfer_params", "conversation_id", "session_id", "request_id")

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.engines import kv
-from gateway.turns.legs import prompt_ids_of
-from gateway.turns.tools import merge_calls
+from gateway.turns.legs.bodies import prompt_ids_of
+from gateway.turns.intake.tools import merge_calls
 
 # Engine-internal fields a client never sees unless it asked for token ids.
 _TOKEN_FIELDS = ("prompt_token_ids", "token_ids")

@@ -28,9 +28,9 @@ from typing import Any
 
 from gateway.errors import InvalidRequestError
 from gateway.store import Answer
-from gateway.turns.messages import memo
-from gateway.turns.prompts import text_hash
-from gateway.turns.tools import TOOL_BLOCK, calls_key, parse_generated, same_calls
+from gateway.turns.intake.messages import memo
+from gateway.turns.intake.prompts import text_hash
+from gateway.turns.intake.tools import TOOL_BLOCK, calls_key, parse_generated, same_calls
 
 MAX_ANSWER_TOKENS = 32768        # kept per conversation; older answers fall back to their re-encoded text
 REPLACEMENT = "\ufffd"           # what decoding puts for bytes that are not (yet) a whole UTF-8 character

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from enum import StrEnum
 
 from gateway.store import Conversation, Holder
-from gateway.turns.continuity import HASH_BYTES, TOKEN_BYTES, Fingerprint, chain_bytes, check
+from gateway.turns.reuse.continuity import HASH_BYTES, TOKEN_BYTES, Fingerprint, chain_bytes, check
 
 DEFAULT_CHAINS_BYTES = 64 * 1024 * 1024
 CHAINS_PER_START = 16      # recent prompts kept per first block (a shared system prompt puts many there)

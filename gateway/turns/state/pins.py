@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from gateway.store import ConversationKey
-from gateway.turns.budget import Decision, Pin, PinBudget, blocks
+from gateway.turns.state.budget import Decision, Pin, PinBudget, blocks
 
 
 @dataclass

@@ -10,7 +10,7 @@ from typing import Any, Literal
 import msgspec
 
 from gateway.store import Answer
-from gateway.turns.clock import TurnClock
+from gateway.turns.intake.clock import TurnClock
 
 Endpoint = Literal["/v1/chat/completions", "/v1/completions"]
 
@@ -43,7 +43,7 @@ class TurnRequest:
         """The body both legs start from, its bulky parts (the history, the ids) encoded once for both."""
         body = dict(self.body)
         messages = body.get("messages")
-        if isinstance(messages, list):     # parsed messages carry their encoding already (turns/messages.py)
+        if isinstance(messages, list):     # parsed messages carry their encoding already (turns/intake/messages.py)
             body["messages"] = msgspec.Raw(getattr(messages, "json", None) or msgspec.json.encode(messages))
         return body
 

@@ -26,11 +26,11 @@ from typing import Any
 
 from gateway.errors import InvalidRequestError
 from gateway.store import Answer
-from gateway.turns.generated import answer, substitutions, text_of, tool_answer
-from gateway.turns.messages import each
-from gateway.turns.pieces import DEFAULT_CACHE_TOKENS, PieceEncoder, TokenIds, exact_specials
-from gateway.turns.prompts import DEFAULT_PREFIX_BYTES, Lineage, PromptEncoder
-from gateway.turns.tools import template_calls
+from gateway.turns.intake.generated import answer, substitutions, text_of, tool_answer
+from gateway.turns.intake.messages import each
+from gateway.turns.intake.pieces import DEFAULT_CACHE_TOKENS, PieceEncoder, TokenIds, exact_specials
+from gateway.turns.intake.prompts import DEFAULT_PREFIX_BYTES, Lineage, PromptEncoder
+from gateway.turns.intake.tools import template_calls
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # The gateway encodes on its event loop: a thread pool would only wait for cores the engines and the loop need
@@ -40,7 +40,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from transformers import AutoTokenizer  # noqa: E402  (after the verbosity setting)
 
 DEFAULT_DECODED_TOKENS = 1_000_000      # answers' ids kept with their decoded text (tool-call answers)
-BUILTIN_DIR = Path(__file__).resolve().parent.parent / "tokenizers"
+BUILTIN_DIR = Path(__file__).resolve().parents[2] / "tokenizers"
 log = logging.getLogger(__name__)
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from hashlib import blake2b
 
 from gateway.store import Answer
-from gateway.turns.pieces import PieceEncoder, TokenIds, piece
+from gateway.turns.intake.pieces import PieceEncoder, TokenIds, piece
 
 DEFAULT_PREFIX_BYTES = 256 * 1024 * 1024
 MAX_CHUNKS = 16                  # a prefix with more chunks is merged into one (a copy every MAX_CHUNKS turns)

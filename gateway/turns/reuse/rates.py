@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.turns.cost import PairCosts, Rate
+from gateway.turns.reuse.cost import PairCosts, Rate
 
 # vLLM's connector skips a read of fewer tokens than its recompute threshold (64 by default with bidirectional
 # transfer) and computes them instead: such a leg says nothing about the transfer rate.

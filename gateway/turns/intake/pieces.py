@@ -173,7 +173,7 @@ class PieceEncoder:
 
 
 def safe_cuts(specials: dict[str, int]) -> frozenset[str]:
-    """The special tokens a text may be cut right after, and the two sides encoded apart (turns/prompts.py):
+    """The special tokens a text may be cut right after, and the two sides encoded apart (turns/intake/prompts.py):
     those found in no other special token except at its end. Cutting after S is exact unless the tokenizer's
     scan of the longer text finds a longer token that begins before or at S and runs past the cut, and that
     token would contain S (all of S lies between its start and the cut) other than at its end."""

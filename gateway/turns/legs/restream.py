@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 from gateway.engines import sse
-from gateway.turns.request import TurnRequest
+from gateway.turns.intake.request import TurnRequest
 
 _encode = msgspec.json.Encoder().encode
 

@@ -1,0 +1,81 @@
+"""One engine as the gateway sees it: health, load in flight and its circuit breaker."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Literal
+
+Role = Literal["prefill", "decode"]
+
+FAILURES_TO_EJECT = 3
+EJECT_COOLDOWN_S = 5.0
+RAMP_S = 10.0                # a re-admitted engine takes traffic gradually over this long (routing.RAMP_*)
+
+
+@dataclass
+class Breaker:
+    """Open after consecutive failures; half-open (one trial at a time) after a cooldown; closed on success."""
+    failures: int = 0
+    opened_at: float | None = None
+    trial_in_flight: bool = False
+
+    def allows(self, now: float) -> bool:
+        if self.opened_at is None:
+            return True
+        return now - self.opened_at >= EJECT_COOLDOWN_S and not self.trial_in_flight
+
+    def success(self) -> bool:
+        """Record a success; True when this closed an open breaker (a re-admission)."""
+        reopened = self.opened_at is not None
+        self.failures, self.opened_at, self.trial_in_flight = 0, None, False
+        return reopened
+
+    def failure(self, now: float) -> None:
+        self.failures += 1
+        self.trial_in_flight = False
+        if self.failures >= FAILURES_TO_EJECT:
+            self.opened_at = now
+
+
+@dataclass
+class Engine:
+    url: str
+    role: Role
+    healthy: bool = True
+    outstanding_requests: int = 0
+    outstanding_tokens: int = 0
+    admitted_at: float = 0.0
+    breaker: Breaker = field(default_factory=Breaker)
+    info: dict = field(default_factory=dict)      # /version, block size, served models: filled at start-up
+
+    def available(self, now: float) -> bool:
+        return self.healthy and self.breaker.allows(now)
+
+    def ramp(self, now: float) -> float:
+        """1.0 right after (re-)admission, 0 once RAMP_S has passed."""
+        return max(0.0, 1.0 - (now - self.admitted_at) / RAMP_S) if self.admitted_at else 0.0
+
+    def readmit(self, now: float) -> None:
+        self.admitted_at = now
+
+    def succeeded(self) -> None:
+        if self.breaker.success():
+            self.readmit(time.monotonic())
+
+    def failed(self) -> None:
+        self.breaker.failure(time.monotonic())
+
+    @contextmanager
+    def track(self, prompt_tokens: int = 0) -> Iterator[None]:
+        self.outstanding_requests += 1
+        self.outstanding_tokens += prompt_tokens
+        if self.breaker.opened_at is not None:
+            self.breaker.trial_in_flight = True       # half-open: this request is the trial
+        try:
+            yield
+        finally:
+            self.outstanding_requests -= 1
+            self.outstanding_tokens -= prompt_tokens

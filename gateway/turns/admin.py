@@ -1,0 +1,55 @@
+"""What the admin API sees: a conversation (inspect it, or delete it and free the KV its D still pins), and the
+engines (each one's state; adding or removing one while serving)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from gateway.engines import kv
+from gateway.engines.pool import EnginePool
+from gateway.engines.registry import EngineRegistry
+from gateway.store import ConversationKey, ConversationStore
+from gateway.turns.legs.release import HandleReleaser
+
+__all__ = ["ConversationAdmin", "ConversationKey", "EngineAdmin"]   # the API names conversations through here
+
+Role = Literal["prefill", "decode"]
+
+
+class ConversationAdmin:
+    def __init__(self, store: ConversationStore, releaser: HandleReleaser) -> None:
+        self.store, self.releaser = store, releaser
+
+    async def describe(self, key: ConversationKey) -> dict[str, Any] | None:
+        found = await self.store.get(key)
+        if found is None:
+            return None
+        record, handle, turn = found
+        return {"session_id": key.session, "tenant": key.tenant, "turn": turn, "model": record.model,
+                "decode_engine": record.decode_engine, "prefill_engine": record.prefill_engine,
+                "held_tokens": record.held_tokens, "num_tokens": record.num_tokens,
+                "handle_live": handle is not None, "updated_at": record.updated_at}
+
+    async def delete(self, key: ConversationKey) -> bool:
+        found = await self.store.get(key)
+        handle = kv.from_store(await self.store.delete(key))
+        if handle:
+            self.releaser.release(handle, "deleted")
+        return found is not None
+
+
+class EngineAdmin:
+    def __init__(self, prefill: EnginePool, decode: EnginePool, registry: EngineRegistry) -> None:
+        self.pools, self.registry = (prefill, decode), registry
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [{"url": e.url, "role": e.role, "healthy": e.healthy, "outstanding_requests": e.outstanding_requests,
+                 "outstanding_prompt_tokens": e.outstanding_tokens, **e.info}
+                for pool in self.pools for e in pool.engines.values()]
+
+    async def add(self, role: Role, url: str) -> dict[str, Any]:
+        engine = await self.registry.add(role, url)
+        return {"url": engine.url, "role": engine.role, "healthy": engine.healthy}
+
+    def remove(self, role: Role, url: str) -> bool:
+        return self.registry.remove(role, url)

@@ -1,0 +1,115 @@
+"""The D leg: D answers (JSON, or streamed through chunk by chunk), and what D says of its tokens and its new
+handle is captured on the way to the client and recorded before `[DONE]`. Nothing is retried once the client
+has received a byte."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, Awaitable
+
+import msgspec
+
+from gateway.config import Settings
+from gateway.engines import sse
+from gateway.engines.client import EngineClient, EngineStream
+from gateway.errors import GatewayError
+from gateway.telemetry import Metrics
+from gateway.turns.legs.bodies import decode_body
+from gateway.turns.legs.calls import EngineCalls
+from gateway.turns.legs.capture import DecodeCapture
+from gateway.turns.legs.restream import restream
+from gateway.turns.outcome import TurnOutcome
+from gateway.turns.reuse.plan import Reason
+from gateway.turns.turn import Turn, TurnReply
+
+_encode = msgspec.json.Encoder().encode
+
+
+class DecodeLeg:
+    def __init__(self, client: EngineClient, calls: EngineCalls, outcome: TurnOutcome, metrics: Metrics,
+                 settings: Settings) -> None:
+        self.client, self.calls, self.outcome, self.metrics, self.settings = client, calls, outcome, metrics, settings
+
+    async def run(self, turn: Turn) -> TurnReply:
+        if turn.req.stream and self.settings.stream_handle_policy == "miss":
+            return await self._stream(turn)
+        return await self._json(turn)
+
+    async def _json(self, turn: Turn) -> TurnReply:
+        began = time.perf_counter()
+        body = decode_body(turn.req, turn.prefill_handle)
+        body["stream"] = False
+        body.pop("stream_options", None)
+        clock = turn.req.clock
+        response = await self.calls.leg("decode", turn.decode, self.client.post_json(
+            turn.decode.url, turn.req.endpoint, body, timeout_s=self.settings.decode_first_byte_timeout_s,
+            headers=turn.leg_headers("decode"), on_sent=clock.decode_out, on_answer=clock.decode_in))
+        self.outcome.release_held_back(turn)
+        self.outcome.observe("decode_ttft", began)
+        capture = DecodeCapture()
+        view = capture.take(response, turn.req.want_token_ids)
+        try:
+            await self.outcome.record(turn, capture)
+        finally:
+            turn.ticket.close()
+        headers = turn.reply_headers(self.settings.pd_headers)
+        if turn.req.stream:      # policy "buffer": the client asked for a stream; re-stream the whole answer
+            return TurnReply(headers, stream=restream(view, turn.req))
+        return TurnReply(headers, body=_encode(view))
+
+    async def _stream(self, turn: Turn) -> TurnReply:
+        body = decode_body(turn.req, turn.prefill_handle)
+        stream = await self.calls.leg("decode", turn.decode, self.client.open_stream(
+            turn.decode.url, turn.req.endpoint, body,
+            first_byte_timeout_s=self.settings.decode_first_byte_timeout_s,
+            idle_timeout_s=self.settings.decode_idle_timeout_s, headers=turn.leg_headers("decode"),
+            on_sent=turn.req.clock.decode_out))
+        return TurnReply(turn.reply_headers(self.settings.pd_headers), stream=self._relay(turn, stream))
+
+    async def _relay(self, turn: Turn, stream: EngineStream) -> AsyncGenerator[bytes, None]:
+        """Pass D's SSE events through as they come, minus engine internals; record before `[DONE]`."""
+        capture, began, first, recorded = DecodeCapture(), time.perf_counter(), True, False
+        turn.decode.outstanding_requests += 1
+        try:
+            done = False
+            while not done and (events := await stream.next_events()) is not None:
+                if first:
+                    turn.req.clock.decode_in()
+                    self.outcome.release_held_back(turn)
+                    self.outcome.observe("decode_ttft", began)
+                    first = False
+                frames = []                  # the events of one read go out in one write
+                for event in events:
+                    if event == sse.DONE:
+                        done = True
+                        break
+                    frames.append(sse.frame(_encode(capture.take(turn.req.decode_answer(event),
+                                                                 turn.req.want_token_ids))))
+                if frames:
+                    yield b"".join(frames)
+            if not capture.handle and capture.finished:
+                self.metrics.handles_missing.labels(Reason.HANDLE_NOT_STREAMED.value).inc()
+            await self.outcome.record(turn, capture)
+            recorded = True
+            yield sse.frame(sse.DONE)
+        except GatewayError as exc:
+            # After the first byte nothing is retried: an OpenAI-shaped error event, then [DONE].
+            self.metrics.upstream_errors.labels("decode", exc.code).inc()
+            turn.decode.failed()
+            yield sse.frame(_encode(exc.body()))
+            yield sse.frame(sse.DONE)
+        finally:
+            stream.close()           # on client disconnect too: closing the connection aborts the request on D
+            self.outcome.release_held_back(turn)
+            turn.decode.outstanding_requests -= 1
+            turn.ticket.close()
+            if not recorded:
+                await _shielded(self.outcome.abandon(turn))
+
+
+async def _shielded(coro: Awaitable[None]) -> None:
+    try:
+        await asyncio.shield(coro)
+    except (asyncio.CancelledError, Exception):  # a dying stream must not raise from its cleanup
+        pass

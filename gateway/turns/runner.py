@@ -1,0 +1,139 @@
+"""One turn, top to bottom: admit, claim the conversation, plan, pick D then P, run the legs, record.
+Read this file to know what a request does; the legs are prefill_leg.py and decode_leg.py, the ending
+outcome.py.
+
+The legs only report what happened (`LegSetback`); `plan.replan` decides what comes next. Retries only where
+safe: an engine that refused the connection never saw the request, so the same leg goes to another engine
+unchanged; any other failure may have consumed a handle, so P is redone without one. Nothing is retried once
+the client has received a byte.
+"""
+
+from __future__ import annotations
+
+import time
+
+from gateway.config import DEFAULT_TENANT, Settings
+from gateway.engines import routing
+from gateway.engines.client import EngineClient
+from gateway.engines.engine import Engine
+from gateway.engines.pool import EnginePool
+from gateway.errors import EngineUnavailableError
+from gateway.store import ConversationKey, StoreUnavailableError
+from gateway.telemetry import Metrics
+from gateway.tracing import NO_TRACING, Tracing
+from gateway.turns.admission import Admission
+from gateway.turns.decode_leg import DecodeLeg
+from gateway.turns.intake.request import TurnRequest
+from gateway.turns.legs.calls import EngineCalls, LegSetback
+from gateway.turns.legs.release import HandleReleaser
+from gateway.turns.outcome import TurnOutcome
+from gateway.turns.prefill_leg import PrefillLeg
+from gateway.turns.reuse import plan as plans
+from gateway.turns.reuse.lookup import How
+from gateway.turns.reuse.plan import Leg, Reason
+from gateway.turns.reuse.rates import Rates
+from gateway.turns.state.ahead import ClaimAhead
+from gateway.turns.state.state import ConversationState
+from gateway.turns.turn import Turn, TurnReply
+
+
+class TurnRunner:
+    def __init__(self, *, client: EngineClient, prefill: EnginePool, decode: EnginePool,
+                 state: ConversationState, calls: EngineCalls, releaser: HandleReleaser, metrics: Metrics,
+                 settings: Settings, tracing: Tracing = NO_TRACING) -> None:
+        self.client, self.prefill_pool, self.decode_pool = client, prefill, decode
+        self.state, self.calls, self.releaser = state, calls, releaser
+        self.metrics, self.settings, self.tracing = metrics, settings, tracing
+        self.admission = Admission(settings.max_concurrent_turns, settings.max_queued_prompt_tokens)
+        self.rates = Rates()         # what the P legs taught of the engines' speeds, for the cost plan
+        self.outcome = TurnOutcome(state, releaser, metrics)
+        self.prefill_leg = PrefillLeg(client, calls, self.rates, self.outcome, settings)
+        self.decode_leg = DecodeLeg(client, calls, self.outcome, metrics, settings)
+
+    def claim_ahead(self, session: ConversationKey | None) -> ClaimAhead:
+        """`async with` it around rendering and `run`: the store's claim overlaps the rendering (state.py)."""
+        return self.state.claim_ahead(session)
+
+    async def run(self, req: TurnRequest, session: ConversationKey | None, tenant: str = DEFAULT_TENANT,
+                  ahead: ClaimAhead | None = None) -> TurnReply:
+        turn = Turn(req, session, self.admission.admit(len(req.prompt_ids)), time.perf_counter(),
+                    retries_left=self.settings.max_retries, tenant=tenant)
+        turn.trace = self.tracing.turn(req)
+        try:
+            await self._plan(turn, ahead)
+            self.outcome.observe("plan", turn.began)
+            if turn.plan.release:
+                self.outcome.release_later(turn, turn.plan.release)
+            return await self._legs(turn)
+        except BaseException:
+            self.outcome.release_held_back(turn)
+            turn.ticket.close()
+            await self.outcome.abandon(turn)
+            raise
+
+    async def drain(self) -> None:
+        await self.state.drain()          # put-backs first: one that finds a newer turn releases its handle
+        await self.releaser.drain()
+
+    # -- planning ------------------------------------------------------------------------------------------
+    async def _plan(self, turn: Turn, ahead: ClaimAhead | None) -> None:
+        try:
+            found, claim = await self.state.begin(turn.req, turn.session, turn.tenant, ahead)
+        except StoreUnavailableError:
+            turn.plan = plans.full(Reason.STORE_UNAVAILABLE)
+            return
+        turn.how = found.how if found else How.NEW
+        self.metrics.conversation_lookups.labels(turn.how.value).inc()
+        if found is None or claim is None:       # no session id and lookup by id only: stateless
+            turn.plan = plans.full(Reason.NO_SESSION)
+            return
+        turn.session, turn.start = found.key, found.start    # a found or new conversation has a key now
+        if found.how is How.NEW:
+            turn.plan = plans.full(Reason.NO_SESSION)
+            return
+        turn.plan = plans.first_plan(turn.req.prompt_ids, claim)
+
+    def _weigh(self, turn: Turn) -> Engine | None:
+        """Under `reuse_policy: cost`, pick P now and let `plan.by_cost` keep or drop the handle for that P."""
+        record = turn.start.record if turn.start else None
+        if turn.plan.handle is None or record is None or self.settings.reuse_policy != "cost":
+            return None
+        prefill = self._pick(turn, "prefill")
+        warm = self.rates.warm_tokens(prefill.url, record.prefill_engine, record.held_tokens)
+        turn.plan = plans.by_cost(turn.plan, self.rates.costs(prefill.url, record.decode_engine), warm)
+        if turn.plan.release:
+            self.outcome.release_later(turn, turn.plan.release)
+        return prefill
+
+    def _pick(self, turn: Turn, leg: Leg) -> Engine:
+        """D first, then P (routing.py's profiles); an engine that failed this turn is not picked again."""
+        record = turn.start.record if turn.start else None
+        previous = (record.decode_engine if leg == "decode" else record.prefill_engine) if record else None
+        pool, profile = (self.decode_pool, routing.DECODE) if leg == "decode" else (self.prefill_pool, routing.PREFILL)
+        try:
+            return pool.pick(profile, routing.want(leg, self.settings, previous, frozenset(turn.failed)))
+        except EngineUnavailableError:
+            if turn.last_error is not None:     # none left: the last engine error, not a bare 503
+                raise turn.last_error from None
+            raise
+
+    # -- the legs ------------------------------------------------------------------------------------------
+    async def _legs(self, turn: Turn) -> TurnReply:
+        """D is chosen first (its holder decides whether a handle is usable at all), then P runs, then D."""
+        turn.decode = self._pick(turn, "decode")
+        prefill = self._weigh(turn)      # the cost plan needs its P: picked now, used by the first P leg
+        leg: Leg = turn.plan.first_leg
+        while True:
+            try:
+                if leg == "prefill":
+                    chosen, prefill = prefill or self._pick(turn, "prefill"), None
+                    await self.prefill_leg.run(turn, chosen)
+                    leg = "decode"
+                else:
+                    return await self.decode_leg.run(turn)
+            except LegSetback as setback:
+                step = plans.replan(turn.plan, setback.leg, setback.kind)
+                turn.take(setback, step)
+                turn.plan, leg = step.plan, step.next_leg
+                if setback.leg == "decode" and step.blame:
+                    turn.decode = self._pick(turn, "decode")

@@ -1,0 +1,76 @@
+"""The pin budget applied to the store: each stored handle entered in this process's ledger (pins.py), room
+made on D for a new one by evicting idle handles (out of the store first, then D's blocks freed), and D's
+pinned blocks reported where routing reads them. Without a ledger (no budget) every method does nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+from gateway.engines import kv
+from gateway.engines.pool import EnginePool
+from gateway.store import ConversationKey, ConversationStore, StoreUnavailableError
+from gateway.telemetry import Metrics
+from gateway.turns.legs.release import HandleReleaser
+from gateway.turns.state.budget import EVICTED
+from gateway.turns.state.pins import PinLedger, Victim
+from gateway.turns.state.timing import timed
+
+
+class Pinning:
+    def __init__(self, pins: PinLedger | None, store: ConversationStore, decode: EnginePool,
+                 releaser: HandleReleaser, metrics: Metrics) -> None:
+        self.pins, self.store, self.decode_pool = pins, store, decode
+        self.releaser, self.metrics = releaser, metrics
+
+    def claimed(self, key: ConversationKey, now: float) -> None:
+        """Its handle is being read: never a budget victim."""
+        if self.pins is not None:
+            self.pins.claim(key, now)
+
+    def spent(self, key: ConversationKey) -> None:
+        """The claimed handle, if any, was read or released."""
+        if self.pins is not None:
+            self.pins.spent(key)
+
+    def admit(self, session: ConversationKey, engine: str, handle: kv.Handle | None,
+              now: float) -> tuple[kv.Handle | None, list[Victim] | None]:
+        """Make room on D for the new handle: the idle handles to evict; (None, None) when the new handle
+        alone exceeds the budget (released at once, its conversation's next turn says `evicted`)."""
+        if handle is None or self.pins is None:
+            return handle, []
+        holder = self.decode_pool.get(engine)
+        capacity = holder.info.get("num_gpu_blocks") if holder is not None else None
+        decision, victims = self.pins.admit(engine, session, handle.num_tokens or 0, capacity, now)
+        if not decision.keep_new:
+            self._release_evicted(handle, engine)
+            return None, None
+        return handle, victims
+
+    def stored(self, engine: str, session: ConversationKey, turn: int, handle: kv.Handle, now: float,
+               expires_at: float) -> None:
+        if self.pins is not None:
+            self.pins.put(engine, session, turn, handle.num_tokens or 0, now, expires_at)
+
+    async def evict(self, victims: list[Victim]) -> None:
+        """Take each victim's handle out of the store first, then free D's blocks: a turn that began in
+        between has claimed it, and evict_handle then leaves it alone (it is being read)."""
+        async def one(victim: Victim) -> None:
+            try:
+                wire = await timed(self.metrics, "evict_handle", self.store.evict_handle(victim.key, victim.turn))
+            except StoreUnavailableError:
+                return                                 # still in the store: D frees it at its TTL
+            if (handle := kv.from_store(wire)) is not None:
+                self._release_evicted(handle, victim.engine)
+        await asyncio.gather(*(one(v) for v in victims))
+
+    def report(self, engine: str) -> None:
+        """The gauge, and the D's pinned blocks where routing's used_kv reads them."""
+        if self.pins is None:
+            return
+        self.metrics.pinned_tokens.labels(engine).set(self.pins.pinned_tokens(engine))
+        if (holder := self.decode_pool.get(engine)) is not None:
+            holder.info["pinned_blocks"] = self.pins.pinned_blocks(engine)
+
+    def _release_evicted(self, handle: kv.Handle, engine: str) -> None:
+        self.releaser.release(handle, EVICTED)
+        self.metrics.handles_evicted.labels(engine).inc()
