@@ -50,7 +50,8 @@ class ResetRequest(msgspec.Struct):
     num_blocks: Annotated[int, msgspec.Meta(ge=1)] | None = None  # resize the KV pool (benchmark sweeps)
 
 
-TIMING_FIELDS = ("prefill_ms_per_token", "decode_ms_per_token", "transfer_ms_per_block")
+TIMING_FIELDS = ("prefill_ms_per_token", "decode_ms_per_token", "transfer_ms_per_block", "transfer_ms_per_read",
+                 "batched_steps")
 
 
 def create_sim_app(settings: SimSettings) -> Litestar:

@@ -24,6 +24,7 @@ from gateway.sim.render import Renderer
 from gateway.sim.request import EngineRequest, Running
 from gateway.sim.settings import SimSettings
 from gateway.sim.stats import SimStats
+from gateway.sim.steps import Steps
 from gateway.sim.transfer import KVClient
 from gateway.sim.waiting import BlockQueue
 
@@ -45,6 +46,7 @@ class Engine:
         self.reader = KVReader(self)
         self.allocator = Allocator(self)
         self.holding = Holding(self)
+        self.steps = Steps(self)
         self.running = 0
         self.waiting = 0
         self._seats = asyncio.Semaphore(settings.max_num_seqs)
@@ -113,8 +115,7 @@ class Engine:
 
     async def decode(self, run: Running) -> AsyncIterator[int]:
         for token in run.answer.token_ids:
-            if self.settings.decode_ms_per_token:
-                await asyncio.sleep(self.settings.decode_ms_per_token / 1000)
+            await self.steps.token()
             self.stats.generation_tokens += 1
             yield token
 
@@ -152,8 +153,7 @@ class Engine:
         self.stats.prompt_tokens_cached += cached
         self.stats.prompt_tokens_loaded += len(loaded)
         self.stats.prompt_tokens_computed += computed
-        if self.settings.prefill_ms_per_token and computed:
-            await asyncio.sleep(computed * self.settings.prefill_ms_per_token / 1000)
+        await self.steps.compute(computed)
         slots = self._check(prompt, table)
         answer = self.model.answer(context_digest(slots), seed=req.seed, max_tokens=req.max_tokens,
                                    min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop=req.stop,

@@ -61,8 +61,8 @@ class KVReader:
             return self._failed(str(exc))
         stats.kv_reads_total += 1
         stats.kv_blocks_read += len(blocks)
-        if s.transfer_ms_per_block:
-            await asyncio.sleep(len(blocks) * s.transfer_ms_per_block / 1000)
+        if s.transfer_ms_per_block or s.transfer_ms_per_read:
+            await asyncio.sleep((s.transfer_ms_per_read + len(blocks) * s.transfer_ms_per_block) / 1000)
         blocks = [[]] * plan.missing + blocks  # a handle shorter than needed: the head reads garbage
         out = {}
         for p in range(cached, plan.end):

@@ -17,6 +17,7 @@ DEFAULT_LEASE_S = 30.0
 DEFAULT_PIN_TTL_S = 480.0
 DEFAULT_RECOMPUTE_THRESHOLD = 64
 DEFAULT_VERSION = "0.32.0"
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048   # vLLM's default for the OpenAI server with chunked prefill
 # vLLM declines a read whose handle expires within this margin (same-host monotonic clock).
 EXPIRY_MARGIN_S = 5.0
 
@@ -46,6 +47,9 @@ class SimSettings(msgspec.Struct, kw_only=True, frozen=True):
     prefill_ms_per_token: float = 0.0
     decode_ms_per_token: float = 0.0
     transfer_ms_per_block: float = 0.0
+    transfer_ms_per_read: float = 0.0     # a read's fixed part: handshake, the reader's scheduling, notification
+    batched_steps: bool = False           # steps shared by running requests (sim/steps.py); off: each on its own
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = 256
     output_tokens: tuple[int, int] = (8, 40)
     enable_auto_tool_choice: bool = False
