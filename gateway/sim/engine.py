@@ -1,8 +1,8 @@
 """One simulated vLLM engine: queueing, prefix cache, KV loads from a holder, decode, and the end of a request.
 
-A request's life: `admit` (queue for a running slot, then prefill: local cache hit, KV read from the
-holder named in `kv_transfer_params`, local compute of the rest, oracle check), `decode` (the answer's
-tokens, timed), then exactly one of `finish` (lease or pin the blocks and return a handle) or `abort`.
+A request's life: `admit` (queue for a running slot, then prefill: local cache hit, KV read from the holder named
+in `kv_transfer_params` or in push mode written by P (`push.py`), local compute of the rest, oracle check), `decode`
+(the answer's tokens, timed), then exactly one of `finish` (lease or pin the blocks and return a handle) or `abort`.
 """
 
 from __future__ import annotations
@@ -16,26 +16,19 @@ from typing import Any, AsyncIterator
 import msgspec
 
 from gateway.sim.blocks import GARBAGE, BlockPool, PoolExhaustedError, Slot, block_hashes
+from gateway.sim.failures import KVLoadError, KVLoadParked, RequestFailed
 from gateway.sim.generate import Answer, Model, context_digest
 from gateway.sim.tools import ToolSpec
 from gateway.sim.handles import HandleTable
 from gateway.sim.kvload import KVSource, load_plan, parks
+from gateway.sim.push import PushReceiver, PushSender
 from gateway.sim.render import Renderer
 from gateway.sim.settings import SimSettings
 from gateway.sim.stats import SimStats
-from gateway.sim.transfer import KVClient, TransferError
+from gateway.sim.transfer import HolderAddress, KVClient, TransferError
 from gateway.sim.waiting import BlockQueue, Grant
 
 EXPIRY_TICK_S = 0.2
-
-
-class KVLoadError(Exception):
-    """A KV load failed (or was declined) under `kv_load_failure_policy: fail`."""
-
-
-class KVLoadParked(Exception):
-    """A P's read of D's blocks was declined (expiry margin) under `recompute`: real vLLM 0.32 never schedules
-    the request again; it waits until the client goes away (docs/vllm-findings.md)."""
 
 
 @dataclass
@@ -73,6 +66,8 @@ class Engine:
                            reasoning=settings.reasoning, tool_call_rate=settings.tool_call_rate,
                            tool_call_style=settings.tool_call_style)
         self.kv = KVClient(settings.engine_id, settings.block_size)
+        self.push_sender = PushSender(self)
+        self.push_receiver = PushReceiver(self)
         self.running = 0
         self.waiting = 0
         self._seats = asyncio.Semaphore(settings.max_num_seqs)
@@ -94,6 +89,8 @@ class Engine:
         """Forget handles, cache and counters; with `num_blocks`, also resize the KV pool (benchmarks sweep it).
         Only between runs: a request in flight would keep blocks of the old pool."""
         self.handles.clear()
+        self.push_sender.clear()
+        self.push_receiver.clear()
         self.pool.reset_cache()
         self.stats = SimStats()
         if num_blocks is not None and num_blocks != self.settings.num_blocks:
@@ -114,9 +111,10 @@ class Engine:
         self.stats.requests_total += 1
         source = self.source(req.kv_params)
         beats = None
-        if source is not None and source.heartbeat:
-            self._spawn(self._heartbeat(source))  # on arrival, then while queued
-            beats = asyncio.create_task(self._heartbeats(source))
+        beat = source.holder if source and source.heartbeat else self.push_receiver.heartbeat_target(req.kv_params)
+        if beat is not None:
+            self.spawn(self._heartbeat(beat))  # on arrival, then while queued
+            beats = asyncio.create_task(self._heartbeats(beat))
         self.waiting += 1
         try:
             await self._seats.acquire()
@@ -124,14 +122,18 @@ class Engine:
             if beats is not None:
                 beats.cancel()
             if source is not None:  # dropped before reading: tell the holder to free its blocks
-                self._spawn(self._notify(source))
+                self.spawn(self._notify(source))
             raise
         finally:
             self.waiting -= 1
         self.running += 1
         try:
             # Heartbeats go on until the KV has been read: waiting for free blocks is waiting too.
-            return await self._prefill(req, source)
+            run = await self._prefill(req, source)
+            if self.push_sender.fails(req.kv_params):  # --push-fault fail-prefill: P's leg ends in an error
+                self.pool.release(run.table)
+                raise RequestFailed("injected push-mode prefill failure")
+            return run
         except BaseException:
             self._leave(failed=True)
             raise
@@ -157,7 +159,9 @@ class Engine:
             self.pool.release(run.table)
             return None
         if self.settings.role == "prefill" and params and params.get("do_remote_decode"):
-            return self._hold(run, len(prompt), self.settings.kv_lease_duration, "lease")
+            handle = self._hold(run, len(prompt), self.settings.kv_lease_duration, "lease")
+            self.push_sender.finished(run.req.request_id, handle["remote_block_ids"][0])  # push mode only
+            return handle
         if self.settings.role == "decode" and self.settings.bidirectional and params is not None:
             return self._hold(run, kv_len, self.settings.decoder_kv_blocks_ttl, "pin")
         self.pool.release(run.table)
@@ -178,8 +182,10 @@ class Engine:
         table, num_hits = await self._allocate(prompt, hashes)
         hits = table[:num_hits]
         cached = num_hits * bs
+        push = self.push_receiver
         try:
-            loaded = await self._load(req, source, cached)
+            loaded = await (push.receive(req, table, num_hits) if push.takes(req.kv_params)
+                            else self._load(req, source, cached))
         except BaseException:
             self.pool.release(table)
             raise
@@ -192,7 +198,11 @@ class Engine:
         self.stats.prompt_tokens_loaded += len(loaded)
         self.stats.prompt_tokens_computed += computed
         if self.settings.prefill_ms_per_token and computed:
-            await asyncio.sleep(computed * self.settings.prefill_ms_per_token / 1000)
+            try:  # an abort mid-prefill (the client left) frees the prompt's blocks
+                await asyncio.sleep(computed * self.settings.prefill_ms_per_token / 1000)
+            except BaseException:
+                self.pool.release(table)
+                raise
         slots = self._check(prompt, table)
         answer = self.model.answer(context_digest(slots), seed=req.seed, max_tokens=req.max_tokens,
                                    min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop=req.stop,
@@ -271,7 +281,7 @@ class Engine:
             if self.settings.kv_load_failure_policy == "recompute":
                 self.stats.requests_parked += 1
                 raise KVLoadParked(source.holder.request_id)
-            return self._load_failed(f"handle {source.holder.request_id} expires within the margin")
+            return self.load_failed(f"handle {source.holder.request_id} expires within the margin")
         if not plan.block_ids:
             self.stats.kv_reads_skipped += 1
             await self._notify(source)
@@ -280,7 +290,7 @@ class Engine:
             blocks = await self.kv.read(source.holder, plan.block_ids)
         except TransferError as exc:
             self.stats.kv_load_failures += 1
-            return self._load_failed(str(exc))
+            return self.load_failed(str(exc))
         self.stats.kv_reads_total += 1
         self.stats.kv_blocks_read += len(blocks)
         if self.settings.transfer_ms_per_block:
@@ -293,7 +303,7 @@ class Engine:
             out[p] = block[j] if j < len(block) else GARBAGE
         return out
 
-    def _load_failed(self, why: str) -> dict[int, Slot]:
+    def load_failed(self, why: str) -> dict[int, Slot]:
         if self.settings.kv_load_failure_policy == "fail":
             raise KVLoadError(why)
         return {}  # recompute: the whole uncached prompt is prefilled locally
@@ -339,7 +349,7 @@ class Engine:
         if kind == "lease":
             self.stats.handles_leased += 1
             return {"do_remote_prefill": True, "do_remote_decode": False, **common,
-                    "remote_prefill_cached_tokens": run.num_hits * self.bs, "transfer_mode": "pull"}
+                    "remote_prefill_cached_tokens": run.num_hits * self.bs, "transfer_mode": s.transfer_mode}
         self.stats.handles_pinned_total += 1
         return {"do_remote_decode": True, "do_remote_prefill": False, **common,
                 "remote_blocks_expiry_time": expires_at, "transfer_mode": "pull"}
@@ -358,19 +368,19 @@ class Engine:
         except TransferError:
             pass  # the holder's lease or pin will run out instead
 
-    async def _heartbeat(self, source: KVSource) -> None:
+    async def _heartbeat(self, holder: HolderAddress) -> None:
         with contextlib.suppress(TransferError):
-            await self.kv.heartbeat(source.holder)
+            await self.kv.heartbeat(holder)
             self.stats.heartbeats_sent += 1
 
-    async def _heartbeats(self, source: KVSource) -> None:
-        """From arrival until the read, keep P's lease alive (queued for a seat or for free blocks)."""
+    async def _heartbeats(self, holder: HolderAddress) -> None:
+        """From arrival until the read (or P's write), keep P's lease alive (queued for a seat or blocks too)."""
         period = max(0.2, self.settings.kv_lease_duration / 3)
         while True:
             await asyncio.sleep(period)
-            await self._heartbeat(source)
+            await self._heartbeat(holder)
 
-    def _spawn(self, coro: Any) -> None:
+    def spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)  # keep a reference until done
         task.add_done_callback(self._tasks.discard)
