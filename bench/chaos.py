@@ -31,9 +31,11 @@ from gateway.processes import Server, start  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
 TTL_S = 8                      # D pins and P leases are short so that leaks would show within the run
+D_LEASE_S = 2 * TTL_S          # D's lease (a local turn's handle): long enough that local turns happen
 GATEWAY_FLAGS = ["--prefill-timeout-s", "4", "--prefill-handle-timeout-s", "3", "--decode-first-byte-timeout-s", "4", "--decode-idle-timeout-s",
                  "1.5", "--max-retries", "2", "--decoder-kv-blocks-ttl-s", str(TTL_S), "--handle-ttl-margin-s",
-                 "3", "--health-interval-s", "0.5", "--log-level", "warning", "--reuse-policy", "always"]
+                 "3", "--health-interval-s", "0.5", "--log-level", "warning", "--reuse-policy", "always",
+                 "--decode-kv-lease-s", str(D_LEASE_S)]
 SIM_FLAGS = ["--output-tokens", "70:110", "--kv-lease-duration", str(TTL_S), "--decoder-kv-blocks-ttl",
              str(TTL_S), "--log-level", "warning"]
 HUNG_S = 30.0                  # a turn lasting longer is hung: every deadline above sums to well under it
@@ -80,7 +82,8 @@ class Fleet:
         # A restarted engine gets a new engine id, as vLLM does unless one is configured. Both legs under `fail`
         # (docs/vllm-findings.md #8: vLLM parks a declined read under `recompute`).
         return start(["sim", "--role", role, "--engine-id", f"{name}-{uuid.uuid4().hex[:6]}",
-                      "--kv-load-failure-policy", "fail", "--stream-kv-params", *SIM_FLAGS], port=port)
+                      "--kv-load-failure-policy", "fail", "--stream-kv-params", *SIM_FLAGS,
+                      *(["--kv-lease-duration", str(D_LEASE_S)] if role == "decode" else [])], port=port)
 
     @property
     def sims(self) -> list[Server]:
@@ -138,8 +141,8 @@ async def turn(http: aiohttp.ClientSession, fleet: Fleet, session: str, messages
         tally.seconds.append(time.monotonic() - began)
     if len(messages) > 1 and answer is not None:
         tally.later_turns += 1
-        tally.reused += plan in ("reuse", "partial")
-        if plan not in ("reuse", "partial"):
+        tally.reused += plan in ("reuse", "partial", "local")
+        if plan not in ("reuse", "partial", "local"):
             tally.fallbacks[reason or "?"] += 1
     return answer
 

@@ -47,7 +47,7 @@ from bench.servers import Servers, get_json  # noqa: E402
 SECTION = "## 9. Warm turns the short way: the local path (`bench/local.py`)"
 TIMING = ["--prefill-ms-per-token", "0.02", "--decode-ms-per-token", "8", "--transfer-ms-per-block", "0.05",
           "--transfer-ms-per-read", "40"]
-ENGINE = ["--num-blocks", "24000", "--max-model-len", "65536", "--stream-kv-params", "--output-tokens", "16:16"]
+ENGINE = ["--num-blocks", "40000", "--max-model-len", "65536", "--stream-kv-params", "--output-tokens", "16:16"]
 VOCAB = range(300, 3800)
 ARMS = ("local", "P reads", "stateless PD", "one engine")
 STREAMS, STREAM_TOKENS = 8, 300
@@ -122,12 +122,16 @@ async def second_turn(client: Client, arm: str, urls: dict[str, str], history: i
     return ttft, headers.get("x-pd-plan", "-")
 
 
-async def ttft_grid(urls: dict[str, str], sizes: Sizes) -> dict[tuple[str, int, int], tuple[float, set[str]]]:
+async def ttft_grid(urls: dict[str, str], engines: list[str],
+                    sizes: Sizes) -> dict[tuple[str, int, int], tuple[float, set[str]]]:
     rng, grid = random.Random(24), {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
         client = Client(http)
         for history in sizes.histories:
             for suffix in sizes.suffixes:
+                for url in engines:          # each size on empty engines: earlier sizes' pins would crowd D
+                    async with http.post(url + "/sim/reset", data=b"{}") as resp:
+                        resp.raise_for_status()
                 for arm in ARMS:             # arms take turns within each size: drift hits all alike
                     runs = [await second_turn(client, arm, urls, history, suffix, rng) for _ in range(sizes.reps)]
                     grid[(arm, history, suffix)] = (statistics.median(t for t, _ in runs), {p for _, p in runs})
@@ -165,7 +169,7 @@ def run(sizes: Sizes) -> dict[str, Any]:
             ([p], [d], ["--local-prefill-max-tokens", "0"]),
             ([p], [d], ["--conversation-lookup", "session"])])
         urls = {"local": local.url, "P reads": p_reads.url, "stateless PD": stateless.url, "one engine": c.url}
-        grid = asyncio.run(ttft_grid(urls, sizes))
+        grid = asyncio.run(ttft_grid(urls, [p.url, d.url, c.url], sizes))
         quiet, busy = [], []
         for _ in range(2):                   # alone and with local turns, taking turns: A B A B
             quiet += asyncio.run(itl(urls, d.url, sizes, with_local=False))

@@ -54,10 +54,12 @@ class Servers(contextlib.ExitStack):
     def gateways(self, specs: list[tuple[list[Server], list[Server], list[str]]]) -> list[Server]:
         """Start several gateways at once: (prefill engines, decode engines, flags) each. They read D's KV whenever
         continuity allows (`--reuse-policy always`, unless the flags say otherwise): the benches measure reuse
-        itself, and on the zero-timing sims computing is free, so the cost plan would always recompute."""
+        itself, and on the zero-timing sims computing is free, so the cost plan would always recompute. The local
+        path is off unless the flags turn it on (bench/local.py does): the other benches compare P-then-D work."""
         procs = []
         for prefill, decode, flags in specs:
-            procs.append(_Pending(["serve", "--log-level", "warning", "--reuse-policy", "always", *flags,
+            procs.append(_Pending(["serve", "--log-level", "warning", "--reuse-policy", "always",
+                                   "--local-prefill-max-tokens", "0", *flags,
                                    *engine_flags(prefill, decode)],
                                   cpus=self.proxy_cpus))
         return self._wait(procs)

@@ -23,6 +23,8 @@ DEFAULT_TOKENIZER = "builtin:demo"
 DEFAULT_SESSION_HEADER = "X-Session-Id"
 DEFAULT_DECODER_KV_BLOCKS_TTL_S = 480.0
 DEFAULT_HANDLE_TTL_MARGIN_S = 30.0
+DEFAULT_DECODE_KV_LEASE_S = 30.0           # vLLM's kv_lease_duration default
+READ_DECLINE_MARGIN_S = 5.0                # vLLM declines a read of a handle within this of its expiry
 DEFAULT_DECODE_PIN_BUDGET = 0.5
 # The holder D computes a warm turn's new suffix itself up to this many tokens (the local path, issue 24)
 DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 256
@@ -63,6 +65,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     session_header: str = DEFAULT_SESSION_HEADER
     conversation_lookup: ConversationLookup = "both"  # session id, token prefix (no session id), or both
     decoder_kv_blocks_ttl_s: NonNegativeSeconds = DEFAULT_DECODER_KV_BLOCKS_TTL_S
+    decode_kv_lease_s: NonNegativeSeconds = DEFAULT_DECODE_KV_LEASE_S  # D's kv_lease_duration (local-turn handles)
     handle_ttl_margin_s: NonNegativeSeconds = DEFAULT_HANDLE_TTL_MARGIN_S
     conversation_ttl_s: Seconds = 86400.0
     decode_pin_budget: Fraction = DEFAULT_DECODE_PIN_BUDGET  # of D's KV blocks its stored handles may pin; 0: off
@@ -115,6 +118,13 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def handle_ttl_s(self) -> float:
         """How long a stored D handle stays usable: D unpins at its TTL; P refuses reads 5 s before it."""
         return max(0.0, self.decoder_kv_blocks_ttl_s - self.handle_ttl_margin_s)
+
+    @property
+    def lease_ttl_s(self) -> float:
+        """How long a handle D returned for a local turn stays usable: D frees it `decode_kv_lease_s` after its
+        answer, and, the handle having no expiry, P never declines a late read of it, so the margin covers the
+        longest a P leg with a handle may wait before it reads (`prefill_handle_timeout_s`) and vLLM's own."""
+        return max(0.0, self.decode_kv_lease_s - self.prefill_handle_timeout_s - READ_DECLINE_MARGIN_S)
 
 
 FIELDS: dict[str, Any] = {f.name: f.type for f in msgspec.structs.fields(Settings)}

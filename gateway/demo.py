@@ -71,7 +71,7 @@ async def script(gateway: Server, prefill: Server) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'turn':>4}  {'plan':<8} {'reason':<16} {'prompt':>6} {'reused':>7} {'P computed':>10} {'TTFT ms':>8}")
+    print(f"{'turn':>4}  {'plan':<8} {'reason':<16} {'prompt':>6} {'reused':>7} {'computed':>10} {'TTFT ms':>8}")
     for i, row in enumerate(rows, 1):
         print(f"{i:>4}  {row['plan']:<8} {row['reason']:<16} {row['prompt']:>6} {row['reused']:>7} "
               f"{row['computed']:>10} {row['ttft_ms']:>8.1f}")

@@ -44,6 +44,7 @@ PINNED_PROBE_MESSAGES = [*PROBE_MESSAGES[:2], {"role": "user", "content": "No, t
 # The protocol notes once said recompute on P; real vLLM 0.32 parks a declined read under it (docs/vllm-findings.md #8)
 RECOMMENDED_POLICY = {"prefill": "fail", "decode": "fail"}
 VLLM_DEFAULT_DECODER_KV_BLOCKS_TTL_S = 480.0
+VLLM_DEFAULT_KV_LEASE_S = 30.0
 # The kv_role an engine must have to serve a pool (kv_both serves either).
 ROLES = {"prefill": ("kv_producer", "kv_both"), "decode": ("kv_consumer", "kv_both")}
 Level = Literal["ok", "warn", "fail"]
@@ -319,6 +320,12 @@ def _decoder_ttl(reports: list[EngineReport], settings: Settings) -> list[Findin
             out.append(Finding("fail", f"decode {r.url} has decoder_kv_blocks_ttl {ttl:g} s but the gateway's "
                                        f"--decoder-kv-blocks-ttl-s is {settings.decoder_kv_blocks_ttl_s:g} s: "
                                        "set them equal (a longer gateway value reads freed blocks)"))
+        lease = r.kv_transfer.get("kv_lease_duration") or VLLM_DEFAULT_KV_LEASE_S
+        if settings.local_prefill_max_tokens and lease != settings.decode_kv_lease_s:
+            out.append(Finding("fail", f"decode {r.url} has kv_lease_duration {lease:g} s but the gateway's "
+                                       f"--decode-kv-lease-s is {settings.decode_kv_lease_s:g} s: set them equal "
+                                       "(a local turn's handle lives D's lease; a longer gateway value reads "
+                                       "freed blocks, silently: such handles have no expiry)"))
     return out
 
 
@@ -352,6 +359,10 @@ def _reuse(reports: list[EngineReport], settings: Settings, store_ok: bool) -> s
         return "degraded: the store does not answer, so every turn is a full prefill until it does"
     scope = ("a conversation must stay on this one gateway process (state is lost on restart; pass --redis-url "
              "to share it)" if not settings.redis_url else "any gateway replica sharing this Redis can reuse")
+    local = (f"; the local path (D alone) for suffixes up to {settings.local_prefill_max_tokens} tokens on turns "
+             f"that come within {settings.lease_ttl_s:g} s of the previous one (D's kv_lease_duration "
+             f"{settings.decode_kv_lease_s:g} s - --prefill-handle-timeout-s - 5 s)"
+             if settings.local_prefill_max_tokens else "; the local path is off")
     return (f"on: a later turn reuses D's KV if it comes within {settings.handle_ttl_s:g} s of the previous one "
             f"(decoder_kv_blocks_ttl {settings.decoder_kv_blocks_ttl_s:g} s - margin "
-            f"{settings.handle_ttl_margin_s:g} s); {scope}")
+            f"{settings.handle_ttl_margin_s:g} s){local}; {scope}")

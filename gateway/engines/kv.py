@@ -65,6 +65,21 @@ class Handle:
         return Handle({**self.wire, "remote_num_tokens": tokens,
                        "remote_block_ids": [group[:blocks] for group in self.wire["remote_block_ids"]]})
 
+    @property
+    def leased(self) -> bool:
+        """A handle with no expiry: held for the holder's `kv_lease_duration`, not its decoder TTL. D returns
+        one for a request it was asked to hold for a remote reader (the local path, §9); nothing renews it, and
+        P never declines a late read of it (it cannot tell): a read after the lease reads freed blocks."""
+        return self.wire.get("remote_blocks_expiry_time") is None
+
+    def as_holders(self) -> Handle:
+        """The handle as P must be sent it to read the holder's KV: D's own flags. One D returned for the local
+        path carries a producer's (`do_remote_prefill`), with which P loads the whole new prompt, past what D
+        holds: silently wrong positions (§9, seen)."""
+        if not self.wire.get("do_remote_prefill"):
+            return self
+        return Handle({**self.wire, "do_remote_decode": True, "do_remote_prefill": False})
+
     def released(self) -> Handle:
         """A zero-token read: P only notifies the holder, which frees the pinned blocks (§4)."""
         return Handle({**self.wire, "remote_num_tokens": 0})

@@ -52,12 +52,14 @@ def kv_transfer_of(server_info: dict[str, Any]) -> dict[str, Any] | None:
     if not isinstance(kv, dict):
         return None
     extra = kv.get("kv_connector_extra_config") or {}
-    ttl = extra.get("decoder_kv_blocks_ttl")
+    ttl, lease = extra.get("decoder_kv_blocks_ttl"), extra.get("kv_lease_duration")
     return {"connector": kv.get("kv_connector"), "role": kv.get("kv_role"),
             "failure_policy": kv.get("kv_load_failure_policy", "fail"),
             "bidirectional": bool(extra.get("bidirectional_kv_xfer", False)),
             # absent: vLLM's default (docs/protocol.md §1); D pins a finished turn's blocks this long
-            "decoder_kv_blocks_ttl": float(ttl) if isinstance(ttl, (int, float)) and ttl > 0 else None}
+            "decoder_kv_blocks_ttl": float(ttl) if isinstance(ttl, (int, float)) and ttl > 0 else None,
+            # absent: vLLM's default; D holds a local turn's KV this long (docs/protocol.md §9)
+            "kv_lease_duration": float(lease) if isinstance(lease, (int, float)) and lease > 0 else None}
 
 
 async def tokenize_chat(client: EngineClient, engine: Engine, messages: list[dict[str, Any]],

@@ -211,7 +211,8 @@ def create_sim_app(settings: SimSettings) -> Litestar:
     async def kv_heartbeat(request: Request) -> Response:
         body = msgspec.json.decode(await request.body(), type=KVHeartbeatRequest)
         engine.stats.heartbeats_received += 1
-        return _json({"extended": engine.handles.heartbeat(body.request_id, settings.kv_lease_duration)})
+        # the holder extends to two thirds of its own lease from now (nixl/base_worker.py:528-532)
+        return _json({"extended": engine.handles.heartbeat(body.request_id, settings.kv_lease_duration * 2 / 3)})
 
     @post("/sim/timing", status_code=200)
     async def timing(request: Request) -> Response:

@@ -36,9 +36,13 @@ class Holding:
             e.stats.holds_skipped_no_blocks += 1
             e.pool.release(run.table)
             return None
-        if s.role == "prefill" and params and params.get("do_remote_decode"):
-            handle = self._hold(run, len(prompt), s.kv_lease_duration, "lease")
-            e.push_sender.finished(run.req.request_id, handle["remote_block_ids"][0])  # push mode only
+        if s.has_connector and params and params.get("do_remote_decode"):
+            # Held for a remote reader, whatever the engine's role: the request's flags decide (vLLM 0.32
+            # nixl/pull_scheduler.py:212-213). On D (the local path) a producer's lease too, for D's
+            # kv_lease_duration, no expiry in the handle, prompt + output - 1 tokens (tests/vllm/test_local.py).
+            handle = self._hold(run, kv_len, s.kv_lease_duration, "lease")
+            if s.role == "prefill":
+                e.push_sender.finished(run.req.request_id, handle["remote_block_ids"][0])  # push mode only
             return handle
         if s.role == "decode" and s.bidirectional and params is not None:
             return self._hold(run, kv_len, s.decoder_kv_blocks_ttl, "pin")
@@ -74,7 +78,7 @@ class Holding:
                   "remote_num_tokens": num_tokens}
         if kind == "lease":
             e.stats.handles_leased += 1
-            return {"do_remote_prefill": True, "do_remote_decode": False, **common,
+            return {"do_remote_prefill": True, "do_remote_decode": False, **common, "remote_blocks_expiry_time": None,
                     "remote_prefill_cached_tokens": run.num_hits * bs, "transfer_mode": s.transfer_mode}
         e.stats.handles_pinned_total += 1
         return {"do_remote_decode": True, "do_remote_prefill": False, **common,

@@ -35,7 +35,10 @@ class KVReader:
             return {}
         e = self.engine
         s, stats, bs = e.settings, e.stats, e.bs
-        plan = load_plan(source, prompt_len, cached, bs, s.recompute_threshold, margin_s=s.expiry_margin_s)
+        # vLLM 0.32 skips short reads only when P reads D's blocks; D reads P's whatever their length
+        # (nixl/pull_scheduler.py:59-65 against :90-102; tests/vllm/test_local.py)
+        threshold = s.recompute_threshold if s.role == "prefill" else 0
+        plan = load_plan(source, prompt_len, cached, bs, threshold, margin_s=s.expiry_margin_s)
         if plan.declined:
             stats.kv_reads_declined += 1
             if s.kv_load_failure_policy == "recompute":
@@ -81,8 +84,9 @@ class KVReader:
             self.engine.stats.heartbeats_sent += 1
 
     async def heartbeats(self, holder: HolderAddress) -> None:
-        """From arrival until the read (or P's write), keep P's lease alive (queued for a seat or blocks too)."""
-        period = max(0.2, self.engine.settings.kv_lease_duration / 3)
+        """From arrival until the read (or P's write), keep P's lease alive (queued for a seat or blocks too):
+        every sixth of the reader's own lease (nixl/base_scheduler.py:88)."""
+        period = max(0.2, self.engine.settings.kv_lease_duration / 6)
         while True:
             await asyncio.sleep(period)
             await self.heartbeat(holder)

@@ -106,7 +106,7 @@ class Serving:
                                        f"has {len(prompt)} input tokens ({max_tokens} > {limit} - {len(prompt)}).")
         external = prefix + (header_id or body.request_id or secrets.token_hex(16))
         req = EngineRequest(f"{external}-{secrets.token_hex(4)}", prompt, max_tokens,
-                            kv_params=body.kv_transfer_params, cache_salt=body.cache_salt,
+                            kv_params=_connector_params(body.kv_transfer_params), cache_salt=body.cache_salt,
                             min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, seed=body.seed,
                             stop=body.stop_list())
         return Call(kind, external, body, req)
@@ -307,3 +307,12 @@ def _decode(raw: bytes, kind: type) -> Any:
         raise SimRequestError(400, str(exc)) from exc
     except msgspec.DecodeError as exc:
         raise SimRequestError(400, f"Invalid JSON body: {exc}") from exc
+
+
+def _connector_params(params: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What the connector sees: vLLM's renderer pops `prompt_token_ids` (renderers/online_renderer.py:105-150),
+    and params left empty count as none (chat_completion/protocol.py:747-749): no handle at the end."""
+    if not params:
+        return None
+    rest = {k: v for k, v in params.items() if k != "prompt_token_ids"}
+    return rest or None

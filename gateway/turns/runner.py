@@ -104,9 +104,8 @@ class TurnRunner:
             return None
         shape = self._shape(turn, record)
         if self.settings.reuse_policy != "cost":
-            if shape.local_allowed:
-                turn.plan = plans.to_local(turn.plan, shape.local_hit_tokens)
-                self._hold_back(turn)
+            turn.plan = plans.by_shape(turn.plan, shape)
+            self._hold_back(turn)
             return None
         prefill = self._pick(turn, "prefill")
         shape = replace(shape, p_cached_tokens=self.rates.warm_tokens(prefill.url, record.prefill_engine,
@@ -126,13 +125,16 @@ class TurnRunner:
             self.outcome.release_later(turn, turn.plan.handle)
 
     def _shape(self, turn: Turn, record: Conversation) -> TurnShape:
-        """The turn as the path choice sees it: local only on the holder D, for a suffix within the bound."""
+        """The turn as the path choice sees it: local only on the holder D, for a suffix within the bound, and
+        while the conversation's turns come sooner than a local turn's handle lives (D's lease: the P path's
+        handle lives for D's decoder TTL instead): the gap before this turn is the guess for the next one."""
         prompt = len(turn.req.prompt_ids)
         hit = plans.local_hit(turn.plan, prompt, record.block_size)
         bound = self.settings.local_prefill_max_tokens
-        allowed = (0 < prompt - hit <= bound and turn.decode is not None and turn.decode.url == record.decode_engine
-                   and turn.plan.kind in (PlanKind.REUSE, PlanKind.PARTIAL))
-        return TurnShape(prompt, turn.plan.reused_tokens, hit, 0, allowed)
+        fits = (0 < prompt - hit <= bound and turn.decode is not None and turn.decode.url == record.decode_engine
+                and turn.plan.kind in (PlanKind.REUSE, PlanKind.PARTIAL))
+        lease_short = fits and time.time() - record.updated_at > self.settings.lease_ttl_s
+        return TurnShape(prompt, turn.plan.reused_tokens, hit, 0, fits and not lease_short, lease_short)
 
     def _pick(self, turn: Turn, leg: Leg) -> Engine:
         """D first, then P (routing.py's profiles); an engine that failed this turn is not picked again."""

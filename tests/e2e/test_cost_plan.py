@@ -63,7 +63,9 @@ def engines(transfer_ms_per_block: float, *cost_flags: str) -> Iterator[Engines]
     try:
         p = launch(["sim", "--role", "prefill", "--engine-id", "p0", "--no-prefix-caching", *timing])
         d = launch(["sim", "--role", "decode", "--engine-id", "d0", "--stream-kv-params", *timing])
-        gateways = [launch(["serve", "--prefill", p.url, "--decode", d.url, "--health-interval-s", "0.5", *flags])
+        # the P path's choice (read or recompute): the local path off; test_local_path.py has its own
+        gateways = [launch(["serve", "--prefill", p.url, "--decode", d.url, "--health-interval-s", "0.5",
+                            "--local-prefill-max-tokens", "0", *flags])
                     for flags in (["--reuse-policy", "cost", *PROBE, *cost_flags], ["--reuse-policy", "always"],
                                   ["--conversation-lookup", "session"])]
         yield Engines(p, d, *gateways)

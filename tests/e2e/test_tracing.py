@@ -112,6 +112,7 @@ async def test_spans_per_turn_and_leg_and_traceparent_forwarded(proxies, caplog)
     caplog.set_level(logging.INFO)
     # reads whenever continuity allows (on untimed sims the cost plan's probe finds recomputing faster)
     settings = Settings(prefill=[proxies[0].url], decode=[proxies[1].url], health_interval_s=60,
+                        local_prefill_max_tokens=0,       # a P leg and a D leg per later turn, each a span
                         reuse_policy="always")
     async with AsyncTestClient(create_app(settings, tracing=OtelTracing(provider))) as client:
         started = [len(proxy.seen) for proxy in proxies]     # start-up probes (P's pinned-ids proof) came before

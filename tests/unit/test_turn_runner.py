@@ -4,6 +4,7 @@ embedded store. One test per transition of plan.replan as the runner carries it 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -65,7 +66,7 @@ def reads_d(body: dict[str, Any]) -> bool:
 
 
 async def built(script: Script, *, retries: int = 2, proven: bool = False, prompt: list[int] = PROMPT,
-                local: int = 0) -> tuple[ScriptedClient, TurnRunner, TurnRequest]:
+                local: int = 0, gap: float = 1.0) -> tuple[ScriptedClient, TurnRunner, TurnRequest]:
     settings = Settings(prefill=["http://p0", "http://p1"], decode=["http://d0", "http://d1"], max_retries=retries,
                         prefill_affinity=False, local_prefill_max_tokens=local)
     store, metrics, client = MemoryConversationStore(), Metrics(), ScriptedClient(script)
@@ -73,7 +74,8 @@ async def built(script: Script, *, retries: int = 2, proven: bool = False, promp
     start = await store.begin_turn(KEY, 0.0)
     await store.finish_turn(KEY, start.turn, Conversation(
         decode_engine="http://d0", model="m", block_size=BS, num_tokens=20, held_tokens=20,
-        block_hashes=held.block_hashes, prefix_hash=held.prefix_hash), dict(D_HANDLE), 1e12, 0.0)
+        block_hashes=held.block_hashes, prefix_hash=held.prefix_hash, updated_at=time.time() - gap),
+        dict(D_HANDLE), 1e12, 0.0)
     prefill, decode = EnginePool("prefill", settings.prefill), EnginePool("decode", settings.decode)
     for engine in prefill.engines.values():
         engine.info[PINNED_IDS] = proven        # what the start-up probe found (startup.PinnedIdsProof)
@@ -242,6 +244,13 @@ async def test_a_short_suffix_goes_to_the_holder_alone_and_its_old_handle_goes_a
     assert reply.headers["X-PD-Reused-Tokens"] == "20"          # D's whole blocks: 5 of 4 tokens
 
 
+async def test_turns_further_apart_than_d_s_lease_take_the_p_path():
+    """A local turn's handle lives D's lease (10 s usable by default), the P path's the decoder TTL."""
+    client, _, reply = await run_turn(by_leg(prefill_answer), local=64, gap=60.0)
+    assert reply.headers["X-PD-Plan"] == "reuse" and reply.headers["X-PD-Reason"] == "lease_too_short"
+    assert legs(client)[0][1]
+
+
 async def test_a_suffix_over_the_bound_takes_the_p_path():
     client, _, reply = await run_turn(by_leg(prefill_answer), local=2)
     assert reply.headers["X-PD-Plan"] == "reuse" and legs(client)[0][1]
@@ -267,3 +276,23 @@ async def test_a_failed_local_leg_falls_back_to_the_p_path(error, plan, p_reads)
     assert d_first == "http://d0" and "://p" in p and read is p_reads and d_then == "http://d1"
     if p_reads:
         assert not releases(client)              # the handle P read is spent: nothing to release
+
+
+async def test_a_local_turn_s_handle_is_stored_as_d_s_own_for_d_s_lease():
+    """D returns a producer's handle for the local path (do_remote_prefill, no expiry, held for its lease):
+    stored with D's own flags, for the lease less the P read's margin, not for the decoder TTL."""
+    def lease_answer(url: str, body: dict[str, Any]) -> dict[str, Any]:
+        answer = decode_answer(url, body)
+        answer["kv_transfer_params"] = {**answer["kv_transfer_params"], "do_remote_prefill": True,
+                                        "do_remote_decode": False, "remote_blocks_expiry_time": None}
+        return answer
+    client, runner, req = await built(by_leg(prefill_answer, lease_answer), local=64)
+    began = time.time()
+    await runner.run(req, KEY)
+    await runner.drain()
+    store = runner.state.store
+    _, wire, _ = await store.get(KEY)
+    assert wire["do_remote_decode"] is True and wire["do_remote_prefill"] is False
+    entry = store._entries[KEY]
+    assert began < entry.handle_expires_at <= time.time() + runner.settings.lease_ttl_s
+    assert runner.settings.lease_ttl_s == 30 - 15 - 5

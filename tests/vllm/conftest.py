@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.servers import Server, start
-from tests.vllm.engines import PIN_TTL_S, TOOL_FLAGS, Engine, launch, wait_healthy
+from tests.vllm.engines import LOCAL_LEASE_S, PIN_TTL_S, TOOL_FLAGS, Engine, launch, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD_TIMEOUT_S = 900
@@ -122,6 +122,13 @@ def free_gateway(engines: Engines, free_model_dir: Path) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="session")
+def free_gateway_local(engines: Engines, free_model_dir: Path) -> Iterator[Server]:
+    """The same engines with the local path on (D alone computes short suffixes; D's lease is its pin TTL)."""
+    yield from _gateway(engines.free_prefill, engines.free_decode, free_model_dir, "--local-prefill-max-tokens",
+                        "256", "--decode-kv-lease-s", str(LOCAL_LEASE_S), "--prefill-handle-timeout-s", "8")
+
+
+@pytest.fixture(scope="session")
 def free_gateway_rendered(engines: Engines, free_model_dir: Path) -> Iterator[Server]:
     yield from _gateway(engines.free_prefill, engines.free_decode, free_model_dir, "--history-tokens", "rendered")
 
@@ -129,7 +136,8 @@ def free_gateway_rendered(engines: Engines, free_model_dir: Path) -> Iterator[Se
 def _gateway(prefill: Engine, decode: Engine, model: Path, *flags: str) -> Iterator[Server]:
     server = start(["serve", "--tokenizer", str(model), "--prefill", prefill.url, "--decode", decode.url,
                     "--decoder-kv-blocks-ttl-s", str(PIN_TTL_S), "--handle-ttl-margin-s", str(HANDLE_TTL_MARGIN_S),
-                    "--health-interval-s", "1", "--reuse-policy", "always", *flags])
+                    "--health-interval-s", "1", "--reuse-policy", "always", "--local-prefill-max-tokens", "0",
+                    *flags])
     try:
         yield server
     finally:

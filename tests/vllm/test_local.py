@@ -15,7 +15,8 @@ counters (`vllm:prompt_tokens_by_source_total`) and the co-located baseline engi
     new turn shares with it: the running or finished request holds its own reference. Released before, the
     blocks can be reused and the hit is gone (the answer stays right: D computes what it lacks).
 
-What was seen, with vLLM's source lines: issue 24 item 1 (to be folded into docs/protocol.md §4).
+What was seen, with vLLM's source lines: docs/protocol.md §9. The last tests run conversations through the gateway
+with the local path on (`free_gateway_local`), on the unconstrained model.
 """
 
 from __future__ import annotations
@@ -292,3 +293,30 @@ def test_d_reads_a_p_suffix_shorter_than_the_recompute_threshold(engines):
     assert on_d == by_source(256, 0, len(q) - 256) and len(q) - 256 < 64
     release(engines, last)
     assert out == expected(engines.baseline, q, 12)
+
+
+# -- through the gateway: a conversation on the local path, the unconstrained model ----------------------------
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_conversation_through_the_gateway_goes_local_and_p_reads_what_it_left(engines, free_gateway_local,
+                                                                                  stream):
+    """Short questions go to D alone (exact, no P computation, nothing moved over NIXL); a long one then takes
+    the P path and P reads the handle the last local turn left on D, with D's own flags (exact)."""
+    from tests.vllm.chat import Chat
+    from tests.vllm.test_unconstrained import QUESTIONS
+    c = Chat(free_gateway_local, engines.free_prefill, engines.free_decode, engines.free_prefill,
+             baseline_by_ids=True, cache_salt=uuid.uuid4().hex, compare_later=True)
+    for question in QUESTIONS[:3]:
+        c.say(question, stream=stream)
+    c.say(" ".join(f"and then part {i} of the longer question" for i in range(40)), stream=stream)
+    c.compare()
+    first, *local, long = c.turns
+    assert all(turn.exact for turn in c.turns), [turn.plan for turn in c.turns]
+    for i, turn in enumerate(local, 2):
+        assert (turn.plan, turn.reason) == ("local", "short_suffix"), f"turn {i}"
+        assert turn.prefill_computed <= 1 and turn.decode_loaded == 0, f"turn {i}: P or NIXL was used"
+        held = len(c.turns[i - 2].prompt_ids) + len(c.turns[i - 2].token_ids) - 1
+        assert turn.reused == held // BLOCK_SIZE * BLOCK_SIZE, f"turn {i}"
+    held = len(local[-1].prompt_ids) + len(local[-1].token_ids) - 1
+    assert (long.plan, long.reason) == ("reuse", "continuous")
+    on_p = len(first.prompt_ids) // BLOCK_SIZE * BLOCK_SIZE       # P's cache holds the first turn's prompt only
+    assert long.prefill_loaded == held - on_p > 0                 # the rest read from the local turn's lease

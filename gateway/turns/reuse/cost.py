@@ -109,6 +109,7 @@ class TurnShape:
     local_hit_tokens: int           # what the holder D finds in its own prefix cache on the local path
     p_cached_tokens: int            # the gateway's estimate of P's own prefix-cache hits
     local_allowed: bool             # this turn's D is the holder, and what it would compute is within the bound
+    lease_short: bool = False       # ... but the conversation's turns come further apart than D's lease
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ class Reason(StrEnum):
     EVICTED = "evicted"                        # D's pin budget released the handle while the conversation idled
     SHORT_SUFFIX = "short_suffix"              # local: the holder D computes the short new suffix itself
     P_PATH_FASTER = "p_path_faster"            # within the local bound, but the cost plan found a P path faster
+    LEASE_TOO_SHORT = "lease_too_short"        # within the local bound, but turns come further apart than D's lease
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,15 @@ def to_local(plan: Plan, hit_tokens: int) -> Plan:
     return Plan(PlanKind.LOCAL, Reason.SHORT_SUFFIX, hit_tokens, plan.handle, instead=plan)
 
 
+def by_shape(plan: Plan, shape: TurnShape) -> Plan:
+    """`reuse_policy: always`: the local path wherever it is allowed, else P reads D's KV."""
+    if plan.handle is None:
+        return plan
+    if shape.local_allowed:
+        return to_local(plan, shape.local_hit_tokens)
+    return replace(plan, reason=Reason.LEASE_TOO_SHORT) if shape.lease_short else plan
+
+
 def by_path(plan: Plan, costs: PathCosts, shape: TurnShape) -> Plan:
     """The first plan on the cheapest of the three paths (`cost.choose_path`): local (D computes what its cache
     lacks; the claimed handle is kept, unread, and released once D has answered), P reading D's KV (the plan as
@@ -142,6 +152,8 @@ def by_path(plan: Plan, costs: PathCosts, shape: TurnShape) -> Plan:
         return full(Reason.RECOMPUTE_FASTER, release=plan.handle)
     if decision.reason is CostReason.P_PATH_FASTER:
         return replace(plan, reason=Reason.P_PATH_FASTER)
+    if shape.lease_short and decision.path is Path.READ:
+        return replace(plan, reason=Reason.LEASE_TOO_SHORT)
     return plan
 
 

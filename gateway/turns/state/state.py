@@ -116,12 +116,12 @@ class ConversationState:
                 self.releaser.release(handle, "unused")
             return
         now = time.time()
+        expires_at = now + (self.settings.lease_ttl_s if handle and handle.leased else self.settings.handle_ttl_s)
         handle, victims = self.pins.admit(session, served.decode, handle, now)
         previous = start.record
         num_tokens, held = held_fingerprint(      # hashes only the blocks the plan did not verify
             req.prompt_ids, capture.prompt_ids, capture.output_ids, handle.num_tokens if handle else 0,
             self.block_size, previous=fingerprint(previous), verified_tokens=plan.reused_tokens)
-        expires_at = now + self.settings.handle_ttl_s
         record = Conversation(
             decode_engine=served.decode, prefill_engine=served.prefill, model=req.model,
             block_size=self.block_size, num_tokens=num_tokens, held_tokens=held.held_tokens,
@@ -164,8 +164,9 @@ class ConversationState:
         return remember(previous, new) if new else previous
 
     def _verified_handle(self, capture: DecodeCapture) -> kv.Handle | None:
-        """Keep D's handle only if D told us exactly which tokens it holds (prompt + output - 1)."""
-        handle = capture.handle
+        """Keep D's handle only if D told us exactly which tokens it holds (prompt + output - 1); as the next turn's
+        reader must get it (a local turn's comes with a producer's flags)."""
+        handle = capture.handle.as_holders() if capture.handle else None
         if not handle or capture.prompt_ids is None or not capture.output_ids_seen:
             return None
         if not kv.holds_prompt_and_output(handle, len(capture.prompt_ids), len(capture.output_ids)):
