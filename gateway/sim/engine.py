@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any, AsyncIterator
@@ -20,6 +21,7 @@ from gateway.sim.generate import Answer, Model, context_digest
 from gateway.sim.tools import ToolSpec
 from gateway.sim.handles import HandleTable
 from gateway.sim.kvload import KVSource, load_plan, parks
+from gateway.sim.nixl import NixlStats
 from gateway.sim.render import Renderer
 from gateway.sim.settings import SimSettings
 from gateway.sim.stats import SimStats
@@ -50,6 +52,7 @@ class EngineRequest:
     seed: int | None = None
     stop: list[str] | None = None
     tools: ToolSpec | None = None        # what the request lets the model call
+    schema: dict[str, Any] | None = None  # response_format: the JSON schema the answer follows (structured.py)
 
 
 @dataclass
@@ -58,6 +61,7 @@ class Running:
     table: list[int]  # block ids, in position order
     num_hits: int  # leading blocks that came from the local prefix cache
     answer: Answer
+    digest: bytes = b""     # the effective context's digest: the answer's, and its logprobs', seed
     done: bool = field(default=False)
 
 
@@ -66,6 +70,7 @@ class Engine:
         self.settings = settings
         self.bs = settings.block_size
         self.stats = SimStats()
+        self.nixl = NixlStats()
         self.pool = BlockPool(settings.num_blocks, settings.block_size, caching=settings.prefix_caching)
         self.handles = HandleTable(self.pool, self.stats)
         self.block_queue = BlockQueue(self.pool, self.stats)
@@ -96,6 +101,7 @@ class Engine:
         self.handles.clear()
         self.pool.reset_cache()
         self.stats = SimStats()
+        self.nixl = NixlStats()
         if num_blocks is not None and num_blocks != self.settings.num_blocks:
             self.settings = msgspec.structs.replace(self.settings, num_blocks=num_blocks)
             self.pool = BlockPool(num_blocks, self.bs, caching=self.settings.prefix_caching)
@@ -194,11 +200,12 @@ class Engine:
         if self.settings.prefill_ms_per_token and computed:
             await asyncio.sleep(computed * self.settings.prefill_ms_per_token / 1000)
         slots = self._check(prompt, table)
-        answer = self.model.answer(context_digest(slots), seed=req.seed, max_tokens=req.max_tokens,
+        digest = context_digest(slots)
+        answer = self.model.answer(digest, seed=req.seed, max_tokens=req.max_tokens,
                                    min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop=req.stop,
-                                   tools=req.tools)
+                                   tools=req.tools, schema=req.schema)
         table, num_hits = await self._with_answer_blocks(req, table, num_hits, hashes, len(answer.token_ids))
-        return Running(req, table, num_hits, answer)
+        return Running(req, table, num_hits, answer, digest)
 
     async def _with_answer_blocks(self, req: EngineRequest, table: list[int], num_hits: int, hashes: list[bytes],
                                   answer_len: int) -> Grant:
@@ -276,6 +283,7 @@ class Engine:
             self.stats.kv_reads_skipped += 1
             await self._notify(source)
             return {}
+        began = time.perf_counter()
         try:
             blocks = await self.kv.read(source.holder, plan.block_ids)
         except TransferError as exc:
@@ -285,6 +293,7 @@ class Engine:
         self.stats.kv_blocks_read += len(blocks)
         if self.settings.transfer_ms_per_block:
             await asyncio.sleep(len(blocks) * self.settings.transfer_ms_per_block / 1000)
+        self.nixl.transfer(time.perf_counter() - began, len(blocks), self.bs)   # the reader records it (vLLM)
         blocks = [[]] * plan.missing + blocks  # a handle shorter than needed: the head reads garbage
         out = {}
         for p in range(cached, plan.end):
