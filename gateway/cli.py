@@ -1,4 +1,4 @@
-"""`pd-gateway` command: serve, demo, sim, migrate, check. Flags → Settings → action; no logic here."""
+"""`pd-gateway` command: serve, demo, sim, migrate, check, verify. Flags → Settings → action; no logic here."""
 
 from __future__ import annotations
 
@@ -64,6 +64,8 @@ NOT_SETTINGS = ("config", "port_file", "print_config", "json", "strict")
 COMMANDS = {
     "serve": "run the gateway in front of vLLM prefill (--prefill) and decode (--decode) engines",
     "check": "probe the engines and the store, print the start-up report and a verdict (exit 1 on fail)",
+    "verify": "rollout gate: a seeded suite through the gateway vs a co-located baseline, plus wrong-KV controls "
+              "at P and D (exit 1 on any finding)",
     "demo": "gateway + simulated P and D + embedded store on this machine, with a scripted chat",
     "sim": "one simulated vLLM engine (prefill, decode or colocated)",
     "migrate": "apply migrations/ to the Redis store (idempotent)",
@@ -236,5 +238,9 @@ def main(argv: list[str] | None = None) -> None:
         migrate(rest)
     elif command == "check":
         check(rest)
+    elif command == "verify":
+        from gateway.verify.command import main as verify_main
+
+        verify_main(rest)
     else:
         raise SystemExit(f"pd-gateway: unknown command {command!r}\n\n{usage()}")

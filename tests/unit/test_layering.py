@@ -1,4 +1,5 @@
-"""Imports flow one way (STYLE.md): api → turns → engines, store; the simulator imports nothing of the gateway."""
+"""Imports flow one way (STYLE.md): api → turns → engines, store; the simulator imports nothing of the gateway;
+verify (a client of a deployment) knows only the engines' wire protocol."""
 
 import ast
 from pathlib import Path
@@ -14,12 +15,13 @@ ALLOWED = {
     "engines": set(),
     "store": set(),
     "sim": set(),
+    "verify": {"engines"},          # the KV-handle protocol and the /metrics reader, for its controls
 }
 LEAVES = {"errors", "config", "telemetry", "tracing"}
 # top-level modules → gateway packages and modules they may import (besides the leaves)
 TOP_LEVEL = {
     "__main__": {"cli"},
-    "cli": {"app", "serving", "startup", "demo", "store", "sim", "api"},   # commands: each imports its own
+    "cli": {"app", "serving", "startup", "demo", "store", "sim", "api", "verify"},   # commands: each its own
     "app": {"api", "turns", "engines", "store", "startup"},                # wires everything but the simulator
     "startup": {"engines", "store", "turns"},
     "serving": set(),
@@ -31,6 +33,7 @@ FOREIGN_BANS = {  # third-party modules a package must not touch
     "turns": {"litestar", "redis"},
     "engines": {"litestar", "redis", "transformers"},
     "store": {"litestar", "aiohttp", "httpx", "transformers"},
+    "verify": {"litestar", "redis", "transformers"},
 }
 
 
