@@ -117,9 +117,9 @@ class _Run:
                                          {**body, "stream": False, "cache_salt": uuid.uuid4().hex})
             name = case.name if len(case.turns) == 1 else f"{case.name} turn {i}"
             plan = f"{got.headers.get('x-pd-plan', '-')}/{got.headers.get('x-pd-reason', '-')}"
-            if i > 1:
-                self.reuse[got.headers.get("x-pd-plan", "none")] = self.reuse.get(
-                    got.headers.get("x-pd-plan", "none"), 0) + 1
+            if i > 1:                  # did the later turns read D's KV? (correct either way: reported only)
+                kind = got.headers.get("x-pd-plan", "none")
+                self.reuse[kind] = self.reuse.get(kind, 0) + 1
             observation = judge.Observation(name, _output(got, chat), _output(ref, chat), _output(again, chat),
                                             note=plan)
             out.append(observation)

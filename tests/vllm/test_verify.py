@@ -1,5 +1,7 @@
 """`pd-gateway verify` against real vLLM 0.32 P and D (CPU, NIXL) and the tier's co-located baseline: every case
-passes, both negative controls are caught by the measure, and the run leaves D holding no KV for it."""
+passes, both negative controls are caught by the measure, and the run leaves D holding no KV for it. Then the
+data plane of the same engines on the gateway: every `pdgw_engine_*` family for P and D, under the names and
+types the simulator exports too."""
 
 from __future__ import annotations
 
@@ -7,10 +9,27 @@ import json
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.engines import dataplane
+from gateway.sim.engine import Engine as SimEngine
+from gateway.sim.metrics import render_metrics
+from gateway.sim.render import Renderer
+from gateway.sim.settings import SimSettings
+from gateway.telemetry import ENGINE_FAMILIES
 from tests.vllm.conftest import ADMIN_KEY
+
+# what the health loop reads, as real vLLM names and types them (and the simulator must too)
+READ = ("vllm:nixl_xfer_time_seconds", "vllm:nixl_bytes_transferred", "vllm:nixl_num_descriptors",
+        "vllm:nixl_num_failed_transfers", "vllm:nixl_num_kv_expired_reqs", "vllm:kv_cache_usage_perc",
+        "vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:num_preemptions")
+
+
+def _families(text: str) -> dict[str, str]:
+    return {f.name: f.type for f in text_string_to_metric_families(text) if f.name in READ}
 
 pytestmark = pytest.mark.vllm
 
@@ -38,3 +57,23 @@ def test_verify_passes_on_real_vllm(engines, gateway):
     while engines.decode.kv_usage() > 0 and time.monotonic() < deadline:
         time.sleep(0.5)
     assert engines.decode.kv_usage() == 0
+
+    # the data plane: real vLLM's names and types are the simulator's, and the gateway serves them per engine
+    page = urllib.request.urlopen(engines.decode.url + "/metrics", timeout=10).read().decode()
+    began = time.perf_counter()
+    _, readings = dataplane.parse(page)
+    print(f"D's /metrics: {len(page)} bytes, read in {(time.perf_counter() - began) * 1e3:.2f} ms")
+    sim = SimEngine(SimSettings(role="decode"), Renderer("builtin:demo"))
+    assert _families(page) == _families(render_metrics(sim)) and len(_families(page)) == len(READ)
+    assert readings.nixl_xfer_seconds is not None and readings.nixl_xfer_seconds.count > 0   # D read P's KV
+    text = urllib.request.urlopen(gateway.url + "/metrics", timeout=10).read().decode()
+    served = {f.name: f for f in text_string_to_metric_families(text)}
+    for _, name, kind, _ in ENGINE_FAMILIES:
+        family = served[name.removesuffix("_total")]
+        assert family.type == kind
+        assert {s.labels["engine"] for s in family.samples} == {engines.prefill.url, engines.decode.url}, name
+    request = urllib.request.Request(gateway.url + "/admin/engines", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    described = {e["url"]: e for e in json.loads(urllib.request.urlopen(request, timeout=10).read())["engines"]}
+    nixl = described[engines.decode.url]["data_plane"]["nixl"]
+    print(f"D's data plane: {nixl}")
+    assert nixl["transfers"] > 0 and nixl["bytes_per_transfer"] > 0 and nixl["descriptors_per_transfer"] > 0
