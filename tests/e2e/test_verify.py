@@ -60,4 +60,6 @@ def test_a_baseline_that_answers_differently_fails_the_run():
         assert code == 1, table
         assert table.splitlines()[-1].startswith("verify: FAIL ")
         flagged = [v for v in report["verdicts"] if not v["expect_wrong"] and v["status"] == "flagged"]
-        assert flagged and all(v["how"] == "exact" for v in flagged), flagged
+        # by other tokens; or, where a schema forces the same first tokens, by the first token's distribution
+        assert flagged and all(v["how"] in ("exact", "distance") for v in flagged), flagged
+        assert sum(v["how"] == "exact" for v in flagged) >= len(flagged) - 1
