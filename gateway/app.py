@@ -91,7 +91,7 @@ async def _lifespan(app: Litestar, settings: Settings, tracing: Tracing,
         runner = _runner(client, prefill, decode, store, state.metrics, settings, block_size,
                          models[0] if models else "", tracing, renderer)
         state.gateway = Gateway(state.api_keys, state.intake, state.metrics, runner, settings)
-        state.conversations = ConversationAdmin(store, runner.releaser)
+        state.conversations = ConversationAdmin(store, runner.releaser, runner.state.pins)
         state.readiness = lambda: _readiness(store, prefill, decode)
         registry = EngineRegistry(prefill, decode, health, state.metrics)
         state.fleet = EngineAdmin(prefill, decode, registry)

@@ -1,4 +1,4 @@
-"""`pd-gateway` command: serve, demo, sim, migrate, check. Flags → Settings → action; no logic here."""
+"""`pd-gateway` command: serve, demo, sim, migrate, check, verify. Flags → Settings → action; no logic here."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ HELP = {
     "session_header": "request header carrying the session id",
     "conversation_lookup": "how a turn finds its conversation: session (id only), prefix (tokens only) or both",
     "decoder_kv_blocks_ttl_s": "D's decoder_kv_blocks_ttl: how long D pins a finished turn's KV",
+    "decode_kv_lease_s": "D's kv_lease_duration: how long D holds a local turn's KV (must equal D's setting)",
+    "local_prefill_max_tokens": "the local path: D alone computes a warm turn's suffix up to this many tokens (0: off)",
     "handle_ttl_margin_s": "stop using a D handle this long before D unpins it",
     "conversation_ttl_s": "forget a conversation this long after its last turn",
     "decode_pin_budget": "fraction of each D's KV blocks the stored handles may pin; over it the least recently used idle ones are released (0: off, TTL only)",
@@ -64,6 +66,8 @@ NOT_SETTINGS = ("config", "port_file", "print_config", "json", "strict")
 COMMANDS = {
     "serve": "run the gateway in front of vLLM prefill (--prefill) and decode (--decode) engines",
     "check": "probe the engines and the store, print the start-up report and a verdict (exit 1 on fail)",
+    "verify": "rollout gate: a seeded suite through the gateway vs a co-located baseline, plus wrong-KV controls "
+              "at P and D (exit 1 on any finding)",
     "demo": "gateway + simulated P and D + embedded store on this machine, with a scripted chat",
     "sim": "one simulated vLLM engine (prefill, decode or colocated)",
     "migrate": "apply migrations/ to the Redis store (idempotent)",
@@ -236,5 +240,9 @@ def main(argv: list[str] | None = None) -> None:
         migrate(rest)
     elif command == "check":
         check(rest)
+    elif command == "verify":
+        from gateway.verify.command import main as verify_main
+
+        verify_main(rest)
     else:
         raise SystemExit(f"pd-gateway: unknown command {command!r}\n\n{usage()}")

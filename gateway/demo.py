@@ -2,13 +2,18 @@
 multi-turn chat, one table row per turn. `--serve` keeps everything running for your own requests.
 
 Its three processes are children of this one: any way this one is asked to stop (Ctrl-C, SIGTERM, SIGHUP) stops
-them too, so no orphan keeps port 8000. Their logs go to one folder, printed at start and kept afterwards."""
+them too, so no orphan keeps port 8000. They run in sessions of their own, so Ctrl-C reaches only this process,
+which stops them with SIGTERM: a child interrupted by the terminal's SIGINT wrote a KeyboardInterrupt traceback
+into its log (during its imports, before its server handles signals) and left this one talking to a dead port.
+Their logs are kept only in `--log-dir DIR`; otherwise they live in a temporary folder removed at exit (a
+component that fails to start has its log's last lines printed first)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import shutil
 import signal
 import socket
 import sys
@@ -100,26 +105,36 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--serve", action="store_true", help="keep the stack running after the script")
     parser.add_argument("--port", type=int, default=8000, help="gateway port with --serve")
     parser.add_argument("--tokenizer", default="builtin:demo")
+    parser.add_argument("--log-dir", type=Path, default=None,
+                        help="keep the components' logs (prefill.log, decode.log, gateway.log) in this folder")
     args = parser.parse_args(argv)
     if args.serve and port_in_use(args.port):
         raise SystemExit(f"pd-gateway demo: port {args.port} is in use (an earlier demo or gateway still "
                          "running?): stop it, or pass --port N")
     _on_stop_signals()
-    logs = Path(tempfile.mkdtemp(prefix="pd-gateway-demo-"))
-    print(f"component logs: {logs}/ (prefill.log, decode.log, gateway.log)", flush=True)
+    if args.log_dir is not None:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+        print(f"component logs: {args.log_dir}/ (prefill.log, decode.log, gateway.log)", flush=True)
+    logs = args.log_dir or Path(tempfile.mkdtemp(prefix="pd-gateway-demo-"))
     servers: list[Server] = []
     try:
         run(args, logs, servers)
     except (KeyboardInterrupt, Stopped):
-        pass
+        print("\nstopping", flush=True)
     except (RuntimeError, TimeoutError) as exc:      # a component did not start: its log says why
-        print(f"pd-gateway demo: {str(exc).splitlines()[0]} (its log: {logs}/)", file=sys.stderr)
+        lines = str(exc).splitlines()
+        where = f" (its log: {args.log_dir}/)" if args.log_dir else ""
+        print(f"pd-gateway demo: {lines[0]}{where}", *(["", *lines[1:][-20:]] if not where else []),
+              sep="\n", file=sys.stderr)
         raise SystemExit(1) from None
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)       # a second signal must not interrupt the clean-up
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        # A second signal (or Ctrl-C) must not interrupt the clean-up
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
         for server in reversed(servers):
             server.stop()
+        if args.log_dir is None:
+            shutil.rmtree(logs, ignore_errors=True)
 
 
 def run(args: argparse.Namespace, logs: Path, servers: list[Server]) -> None:
@@ -130,13 +145,15 @@ def run(args: argparse.Namespace, logs: Path, servers: list[Server]) -> None:
     # more than "computing" it.
     sim = ["--tokenizer", args.tokenizer, "--stream-kv-params", "--output-tokens", "80:120",
            "--prefill-ms-per-token", "0.02", "--transfer-ms-per-block", "0.05"]
-    prefill = start(["sim", "--role", "prefill", "--engine-id", "demo-p", *sim], log_dir=logs, name="prefill")
+    prefill = start(["sim", "--role", "prefill", "--engine-id", "demo-p", *sim], log_dir=logs, name="prefill",
+                    own_session=True)
     servers.append(prefill)
-    decode = start(["sim", "--role", "decode", "--engine-id", "demo-d", *sim], log_dir=logs, name="decode")
+    decode = start(["sim", "--role", "decode", "--engine-id", "demo-d", *sim], log_dir=logs, name="decode",
+                   own_session=True)
     servers.append(decode)
     gateway = start(["serve", "--prefill", prefill.url, "--decode", decode.url, "--tokenizer", args.tokenizer,
                      "--log-level", "warning"],
-                    port=args.port if args.serve else 0, log_dir=logs, name="gateway")
+                    port=args.port if args.serve else 0, log_dir=logs, name="gateway", own_session=True)
     servers.append(gateway)
     print(f"gateway {gateway.url}  prefill {prefill.url}  decode {decode.url}  store: embedded\n")
     print_table(asyncio.run(script(gateway, prefill)))

@@ -54,15 +54,18 @@ class Server:
 
 
 def start(args: list[str], *, health: str = "/health", env: dict[str, str] | None = None,
-          port: int = 0, log_dir: Path | None = None, name: str | None = None) -> Server:
+          port: int = 0, log_dir: Path | None = None, name: str | None = None, own_session: bool = False) -> Server:
     """Run `pd-gateway ARGS --host 127.0.0.1 --port PORT --port-file F` and wait until it answers `health`.
-    Its output goes to `log_dir/NAME.log` (default: a fresh temporary folder, `log`)."""
+    Its output goes to `log_dir/NAME.log` (default: a fresh temporary folder, `log`). `own_session`: the child
+    gets its own session, so a terminal's Ctrl-C (SIGINT to the foreground process group) reaches only this
+    process, which then stops the child itself (`pd-gateway demo`)."""
     tmp = log_dir or Path(tempfile.mkdtemp(prefix="pdgw-test-"))
     port_file, log_path = (tmp / f"{name}.port", tmp / f"{name}.log") if name else (tmp / "port", tmp / "log")
     cmd = [sys.executable, "-m", "gateway", *args, "--host", "127.0.0.1", "--port", str(port),
            "--port-file", str(port_file)]
     log = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                            start_new_session=own_session)
     deadline = time.monotonic() + START_TIMEOUT_S
     server = None
     try:

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # The gateway's own time per turn is sub-millisecond when all is well: fine buckets there, coarse above.
@@ -54,6 +58,8 @@ class Metrics:
             registry=r)
         self.learned_rates = LearnedRates()
         r.register(self.learned_rates)
+        self.engine_data_plane = EngineDataPlane()
+        r.register(self.engine_data_plane)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -73,6 +79,87 @@ class LearnedRates:
         for rate, prefill, decode, value in self.source():
             family.add_metric([rate, prefill, decode], value)
         yield family
+
+
+@dataclass(frozen=True)
+class HistogramSnapshot:
+    """A Prometheus histogram as scraped: cumulative counts per upper bound (ascending, +Inf last)."""
+    buckets: tuple[tuple[float, float], ...]
+    sum: float
+    count: float
+
+    @property
+    def mean(self) -> float | None:
+        return self.sum / self.count if self.count else None
+
+    def quantile(self, q: float) -> float | None:
+        """As PromQL's histogram_quantile: linear within the bucket the rank falls in (None: no observations;
+        the highest finite bound when the rank falls in +Inf)."""
+        if not self.count or not self.buckets:
+            return None
+        rank, lower, below = q * self.count, 0.0, 0.0
+        for bound, cumulative in self.buckets:
+            if cumulative >= rank:
+                if math.isinf(bound):
+                    return lower
+                inside = cumulative - below
+                return lower + (bound - lower) * ((rank - below) / inside if inside else 1.0)
+            lower, below = bound, cumulative
+        return lower
+
+
+# The engines' data plane, re-exported per engine (`pool`, `engine` = its URL) from what the health loop scraped
+# off each engine's /metrics (engines/dataplane.py): attribute of the readings, name, type, help.
+ENGINE_FAMILIES = (
+    ("kv_cache_usage", "pdgw_engine_kv_cache_usage_ratio", "gauge",
+     "Fraction of the engine's KV blocks in use (vllm:kv_cache_usage_perc)"),
+    ("requests_waiting", "pdgw_engine_requests_waiting", "gauge",
+     "Requests queued on the engine (vllm:num_requests_waiting; on D also those waiting for P's KV)"),
+    ("requests_running", "pdgw_engine_requests_running", "gauge",
+     "Requests in the engine's batches (vllm:num_requests_running)"),
+    ("preemptions", "pdgw_engine_preemptions", "counter",
+     "Requests the engine preempted for lack of KV blocks (vllm:num_preemptions)"),
+    ("nixl_xfer_seconds", "pdgw_engine_nixl_transfer_seconds", "histogram",
+     "Duration of each NIXL KV read this engine made, as the reader: on D the wait for P's KV, on P the read "
+     "of D's (vllm:nixl_xfer_time_seconds)"),
+    ("nixl_bytes", "pdgw_engine_nixl_transfer_bytes", "histogram",
+     "Bytes per NIXL KV read this engine made (vllm:nixl_bytes_transferred)"),
+    ("nixl_descriptors", "pdgw_engine_nixl_transfer_descriptors", "histogram",
+     "Descriptors per NIXL KV read this engine made (vllm:nixl_num_descriptors)"),
+    ("nixl_failed_transfers", "pdgw_engine_nixl_failed_transfers", "counter",
+     "NIXL transfers, handshakes and notifications that failed (vllm:nixl_num_failed_transfers)"),
+    ("nixl_kv_expired", "pdgw_engine_nixl_kv_expired", "counter",
+     "KV held for a reader that expired unread, or a read declined as expiring (vllm:nixl_num_kv_expired_reqs)"),
+)
+
+
+class EngineDataPlane:
+    """`pdgw_engine_*{pool, engine}`: each engine's data plane as last scraped, read from `source` at scrape time:
+    (pool, engine URL, readings) with the ENGINE_FAMILIES attributes (None: not reported by that engine)."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], Iterable[tuple[str, str, Any]]] = list
+
+    def collect(self) -> Iterator[Metric]:
+        rows = list(self.source())
+        for attr, name, kind, help_text in ENGINE_FAMILIES:
+            family: Any
+            if kind == "histogram":
+                family = HistogramMetricFamily(name, help_text, labels=["pool", "engine"])
+            elif kind == "counter":
+                family = CounterMetricFamily(name, help_text, labels=["pool", "engine"])
+            else:
+                family = GaugeMetricFamily(name, help_text, labels=["pool", "engine"])
+            for pool, engine, readings in rows:
+                value = getattr(readings, attr, None)
+                if value is None:
+                    continue
+                if kind == "histogram":
+                    family.add_metric([pool, engine], [(floatToGoString(b), c) for b, c in value.buckets],
+                                      value.sum)
+                else:
+                    family.add_metric([pool, engine], float(value))
+            yield family
 
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"

@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.gpu import logprob_distance as lp  # noqa: E402
+from gateway.verify import distance as lp  # noqa: E402
 from bench.gpu import wire  # noqa: E402
 
 TOP_K = 20                 # vLLM's default --max-logprobs

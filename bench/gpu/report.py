@@ -18,7 +18,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.gpu import logprob_distance as lp  # noqa: E402
+from gateway.verify import distance as lp  # noqa: E402
 
 MODE_ORDER = ["local", "reuse_warmP", "reuse_coldP", "full_warmP", "full_coldP", "coloc_prefix", "coloc_full", "cost_warmP",
               "cost_coldP"]
@@ -57,7 +57,7 @@ def correctness_md(res: dict) -> list[str]:
 
     out = ["## Correctness: distance between next-token distributions", "",
            f"Measure: max |Δ logprob| over the union of both top-20 lists of the first generated token (a lower bound "
-           f"for a token in one list only) and KL over that union (`bench/gpu/logprob_distance.py`). Reference: the "
+           f"for a token in one list only) and KL over that union (`gateway/verify/distance.py`). Reference: the "
            f"co-located engine C on the same prompt with a fresh `cache_salt`. Noise floor: C against itself with "
            f"its prefix cache (and, for the controls, fresh against fresh): largest max |Δ| = "
            f"**{s['noise_floor_max_abs']:.4f}**, largest KL = **{kl_floor:.3g}**. Flagged: max |Δ| above "

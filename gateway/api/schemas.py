@@ -7,6 +7,7 @@ from typing import Any
 
 import msgspec
 
+from gateway.api import jsontext
 from gateway.errors import InvalidRequestError
 from gateway.turns.intake.messages import KnownMessage, MessageCache, Messages
 
@@ -69,11 +70,12 @@ def parse(raw: bytes, schema: type[msgspec.Struct], *, cache: MessageCache | Non
     except msgspec.ValidationError:
         raise InvalidRequestError("the request body must be a JSON object") from None
     except msgspec.DecodeError as exc:
-        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+        raise _not_json(raw, exc) from None
     except RecursionError:
         raise _too_deep() from None
     chat = schema is ChatRequest and "messages" in fields
-    body = {key: _value(value, MAX_JSON_DEPTH - 1) for key, value in fields.items() if not (chat and key == "messages")}
+    body = {key: _value(value, MAX_JSON_DEPTH - 1, key) for key, value in fields.items()
+            if not (chat and key == "messages")}
     messages = _messages(fields["messages"], MESSAGES if cache is None else cache) if chat else None
     try:
         parsed = msgspec.convert({**body, "messages": []} if chat else body, schema)
@@ -86,13 +88,16 @@ def parse(raw: bytes, schema: type[msgspec.Struct], *, cache: MessageCache | Non
     return body, parsed
 
 
-def _value(raw: msgspec.Raw | bytes, max_depth: int) -> Any:
-    """One JSON value, refused if it nests deeper than `max_depth` (counted from 1 at the value itself)."""
+def _value(raw: msgspec.Raw | bytes, max_depth: int, where: str) -> Any:
+    """One JSON value, refused if it nests deeper than `max_depth` (counted from 1 at the value itself).
+    `where`: its path in the body, for an error about its text."""
     raw = bytes(raw) if isinstance(raw, msgspec.Raw) else raw
     try:
         value = _decode(raw)
     except RecursionError:
         raise _too_deep() from None
+    except msgspec.DecodeError as exc:   # the top level splits values without checking their strings' bytes
+        raise _not_json(raw, exc, where) from None
     if len(raw) > max_depth and _depth_bound(raw) > max_depth and _depth(value) > max_depth:
         raise _too_deep()
     return value
@@ -105,6 +110,8 @@ def _messages(raw: msgspec.Raw, cache: MessageCache) -> Messages:
         raise InvalidRequestError(f"invalid request: {exc} - at `$.messages`", param="messages") from None
     except RecursionError:
         raise _too_deep() from None
+    except msgspec.DecodeError as exc:
+        raise _not_json(bytes(raw), exc, "messages") from None
     raws = [bytes(item) for item in items]
     known = cache.get_all(raws)
     for i, found in enumerate(known):
@@ -116,7 +123,7 @@ def _messages(raw: msgspec.Raw, cache: MessageCache) -> Messages:
 
 def _known(raw: bytes, where: str) -> KnownMessage:
     """A message not seen before: decoded and validated (the body, its list and the message: 2 levels above)."""
-    value = _value(raw, MAX_JSON_DEPTH - 2)
+    value = _value(raw, MAX_JSON_DEPTH - 2, where)
     try:
         struct = msgspec.convert(value, Message)
     except msgspec.ValidationError as exc:
@@ -130,6 +137,25 @@ def _at(error: str, where: str) -> str:
     if " - at `$" in error:
         return error.replace(" - at `$", f" - at `$.{where}", 1)
     return f"{error} - at `$.{where}`"
+
+
+def _not_json(raw: bytes, exc: msgspec.DecodeError, where: str | None = None) -> InvalidRequestError:
+    """The decoder's refusal, saying which field holds bytes that are not text when that is the cause.
+    `where`: the path of `raw` within the body (None: `raw` is the body)."""
+    found = jsontext.fault(raw)
+    if found is None:
+        return InvalidRequestError(f"the request body is not valid JSON: {exc}", param=where)
+    message, inner = found
+    path = _join(where, inner)
+    if where is not None:
+        message = message.replace(f"`{inner}`" if inner else "the request body", f"`{path}`", 1)
+    return InvalidRequestError(f"the request body is not valid JSON: {message}", param=path)
+
+
+def _join(outer: str | None, inner: str | None) -> str | None:
+    if not outer or not inner:
+        return outer or inner
+    return f"{outer}{inner}" if inner.startswith("[") else f"{outer}.{inner}"
 
 
 def _too_deep() -> InvalidRequestError:

@@ -12,13 +12,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from gateway.engines.client import EngineClient
-from gateway.errors import GatewayError
 
 CACHE_INFO = "vllm:cache_config_info"
 USAGE = "vllm:kv_cache_usage_perc"
 WAITING = "vllm:num_requests_waiting"
-METRICS_TIMEOUT_S = 2.0
 
 # name{labels} value [timestamp]; label values are quoted with \\, \" and \n escapes (exposition format 0.0.4).
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?\s*$')
@@ -102,12 +99,3 @@ def _int(text: str | None) -> int | None:
         return int(text) if text is not None else None
     except ValueError:
         return None          # "None" before the engine has profiled its memory
-
-
-async def read_capacity(client: EngineClient, url: str) -> KVCapacity | None:
-    """GET url/metrics and read it; None when the engine does not answer (it may be starting or down)."""
-    try:
-        text = await client.get(url, "/metrics", timeout_s=METRICS_TIMEOUT_S)
-    except GatewayError:
-        return None
-    return kv_capacity(text.decode("utf-8", "replace"))

@@ -8,6 +8,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
+from gateway.engines.dataplane import DataPlane
+
 Role = Literal["prefill", "decode"]
 
 FAILURES_TO_EJECT = 3
@@ -50,6 +52,8 @@ class Engine:
     admitted_at: float = 0.0
     breaker: Breaker = field(default_factory=Breaker)
     info: dict = field(default_factory=dict)      # /version, block size, served models: filled at start-up
+    # The last scrape of its /metrics (health loop): KV usage, queue, preemptions, NIXL reads. None: no answer.
+    data_plane: DataPlane | None = None
 
     def available(self, now: float) -> bool:
         return self.healthy and self.breaker.allows(now)
@@ -60,6 +64,15 @@ class Engine:
 
     def readmit(self, now: float) -> None:
         self.admitted_at = now
+
+    def observe(self, data_plane: DataPlane | None) -> None:
+        """A scrape's readings (None: it did not answer, so nothing stale is shown); `info` carries the admin
+        view of them (`GET /admin/engines`)."""
+        self.data_plane = data_plane
+        if data_plane is None:
+            self.info.pop("data_plane", None)
+        else:
+            self.info["data_plane"] = data_plane.summary()
 
     def succeeded(self) -> None:
         if self.breaker.success():

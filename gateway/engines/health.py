@@ -1,5 +1,7 @@
 """Active health checks: poll every engine's `/health`, keep `Engine.healthy` and the gauge current.
-Passive ejection (consecutive request failures) is the circuit breaker in engine.py.
+Passive ejection (consecutive request failures) is the circuit breaker in engine.py. The same round reads each
+healthy engine's `/metrics` once: its data plane (`Engine.data_plane`, served as `pdgw_engine_*` and in
+`/admin/engines`: dataplane.py) and, for a D that has not reported it yet, its KV capacity.
 
 A probe that times out is not a miss by itself: an engine busy with prompts answers `/health` late, and on a
 loaded machine every engine of a pool does at once; marking them down turned overload into 503s for everyone
@@ -13,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from gateway.engines.capacity import read_capacity
+from gateway.engines import dataplane
 from gateway.engines.client import EngineClient
 from gateway.engines.engine import Engine
 from gateway.engines.pool import EnginePool
@@ -24,6 +26,7 @@ log = logging.getLogger(__name__)
 
 
 PROBE_TIMEOUT_S = 2.0
+METRICS_TIMEOUT_S = 2.0
 MISSES_TO_MARK_DOWN = 2     # one failed probe is not an outage
 SLOW_GRACE_S = 15.0         # probes that only time out mark an engine down after this long without an answer
 
@@ -35,6 +38,7 @@ class HealthChecker:
         self._answered_at: dict[str, float] = {}
         # Called (synchronously) when an engine comes back healthy: what was proven about it may have changed
         self.on_readmit: list[Callable[[Engine], None]] = []
+        metrics.engine_data_plane.source = self._readings
 
     async def check_all(self) -> None:
         engines = [e for pool in self._pools for e in pool.engines.values()]
@@ -55,16 +59,34 @@ class HealthChecker:
                         hook(engine)
             engine.healthy = ok
             self._metrics.engine_healthy.labels(engine.role, engine.url).set(int(ok))
-        await self._read_capacities(engines)
+        await self._scrape(engines)
 
-    async def _read_capacities(self, engines: list[Engine]) -> None:
-        """D's KV capacity (its pin budget's base) for each healthy D that has not reported it yet: one still
-        profiling its memory at start-up, or one re-admitted after an outage."""
-        missing = [e for e in engines if e.role == "decode" and e.healthy and not e.info.get("num_gpu_blocks")]
-        found = await asyncio.gather(*(read_capacity(self._client, e.url) for e in missing))
-        for engine, capacity in zip(missing, found, strict=True):
-            if capacity is not None and capacity.num_gpu_blocks:
+    async def _scrape(self, engines: list[Engine]) -> None:
+        """Each healthy engine's /metrics: its data plane, and D's KV capacity (its pin budget's base) when it
+        has not reported one yet (still profiling its memory at start-up, or re-admitted after an outage)."""
+        healthy = [e for e in engines if e.healthy]
+        pages = await asyncio.gather(*(self._metrics_page(e.url) for e in healthy))
+        for engine in (e for e in engines if not e.healthy):
+            engine.observe(None)
+        for engine, page in zip(healthy, pages, strict=True):
+            if page is None:
+                engine.observe(None)
+                continue
+            capacity, readings = dataplane.parse(page)
+            engine.observe(readings)
+            if engine.role == "decode" and not engine.info.get("num_gpu_blocks") and capacity.num_gpu_blocks:
                 engine.info["num_gpu_blocks"] = capacity.num_gpu_blocks
+
+    async def _metrics_page(self, url: str) -> str | None:
+        try:
+            return (await self._client.get(url, "/metrics", timeout_s=METRICS_TIMEOUT_S)).decode("utf-8", "replace")
+        except GatewayError:
+            return None
+
+    def _readings(self) -> list[tuple[str, str, dataplane.DataPlane]]:
+        """For `pdgw_engine_*` at scrape time: the engines of the pools now, with their last readings."""
+        return [(e.role, e.url, e.data_plane) for pool in self._pools for e in pool.engines.values()
+                if e.data_plane is not None]
 
     async def run(self) -> None:
         while True:

@@ -67,10 +67,11 @@ class Handle:
 
     @property
     def leased(self) -> bool:
-        """A handle with no expiry: held for the holder's `kv_lease_duration`, not its decoder TTL. D returns
-        one for a request it was asked to hold for a remote reader (the local path, §9); nothing renews it, and
-        P never declines a late read of it (it cannot tell): a read after the lease reads freed blocks."""
-        return self.wire.get("remote_blocks_expiry_time") is None
+        """A handle in a producer's form (`do_remote_prefill`): held for the holder's `kv_lease_duration`, not its
+        decoder TTL, and with no expiry in it. D returns one for a request it was asked to hold for a remote
+        reader (the local path, §9); nothing renews it, and P never declines a late read of it (it cannot
+        tell): a read after the lease reads freed blocks. Read before `as_holders`, which rewrites the flags."""
+        return bool(self.wire.get("do_remote_prefill"))
 
     def as_holders(self) -> Handle:
         """The handle as P must be sent it to read the holder's KV: D's own flags. One D returned for the local

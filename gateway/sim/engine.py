@@ -21,6 +21,7 @@ from gateway.sim.generate import Model, context_digest
 from gateway.sim.handles import HandleTable
 from gateway.sim.holding import Holding
 from gateway.sim.kvload import KVSource, parks
+from gateway.sim.nixl import NixlStats
 from gateway.sim.push import PushReceiver, PushSender
 from gateway.sim.reading import KVReader
 from gateway.sim.render import Renderer
@@ -39,6 +40,7 @@ class Engine:
         self.settings = settings
         self.bs = settings.block_size
         self.stats = SimStats()
+        self.nixl = NixlStats()
         self.pool = BlockPool(settings.num_blocks, settings.block_size, caching=settings.prefix_caching)
         self.handles = HandleTable(self.pool, self.stats)
         self.block_queue = BlockQueue(self.pool, self.stats)
@@ -77,6 +79,7 @@ class Engine:
         self.push_receiver.clear()
         self.pool.reset_cache()
         self.stats = SimStats()
+        self.nixl = NixlStats()
         if num_blocks is not None and num_blocks != self.settings.num_blocks:
             self.settings = msgspec.structs.replace(self.settings, num_blocks=num_blocks)
             self.pool = BlockPool(num_blocks, self.bs, caching=self.settings.prefix_caching)
@@ -173,11 +176,12 @@ class Engine:
             self.pool.release(table)
             raise
         slots = self._check(prompt, table)
-        answer = self.model.answer(context_digest(slots), seed=req.seed, max_tokens=req.max_tokens,
+        digest = context_digest(slots)
+        answer = self.model.answer(digest, seed=req.seed, max_tokens=req.max_tokens,
                                    min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop=req.stop,
-                                   tools=req.tools)
+                                   tools=req.tools, schema=req.schema)
         table, num_hits = await self.allocator.with_answer_blocks(req, table, num_hits, hashes, len(answer.token_ids))
-        return Running(req, table, num_hits, answer)
+        return Running(req, table, num_hits, answer, digest)
 
     def _check(self, prompt: list[int], table: list[int]) -> list[Slot]:
         """The oracle: every slot used must hold this prompt's token at its position. Returns the slots."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from gateway.sim.blocks import Slot
 from gateway.sim.render import Renderer
+from gateway.sim.structured import document
 from gateway.sim.tools import Style, ToolSpec, compose
 
 WORDS = (
@@ -54,13 +55,16 @@ class Model:
         self.split_ids = {w: [t for ch in w for t in renderer.encode(ch)] for w in self.word_ids}
 
     def answer(self, digest: bytes, *, seed: int | None, max_tokens: int, min_tokens: int = 0,
-               ignore_eos: bool = False, stop: list[str] | None = None, tools: ToolSpec | None = None) -> Answer:
+               ignore_eos: bool = False, stop: list[str] | None = None, tools: ToolSpec | None = None,
+               schema: dict | None = None) -> Answer:
         rng = random.Random(digest + struct.pack("<q", seed or 0))
         natural = rng.randint(*self.output_tokens)
         ids: list[int] = self._opening(rng)
         calls = compose(rng, tools, rate=self.tool_call_rate, style=self.tool_call_style) if tools else None
+        if calls is None and schema is not None:
+            calls = document(rng, schema)           # guided decoding: the document, then EOS
         if calls is not None:
-            ids += self.renderer.encode(calls)      # a tool call's length is its JSON's, not `natural`
+            ids += self.renderer.encode(calls)      # a tool call's (or document's) length is its JSON's
         first = True
         while calls is None and (len(ids) < max(natural, min_tokens) or (ignore_eos and len(ids) < max_tokens)):
             ids += self._word(rng, first=first)

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Protocol
 
 from gateway.sim.blocks import GARBAGE, Slot
 from gateway.sim.failures import KVLoadError, KVLoadParked
 from gateway.sim.kvload import KVSource, load_plan
+from gateway.sim.nixl import NixlStats
 from gateway.sim.settings import SimSettings
 from gateway.sim.stats import SimStats
 from gateway.sim.transfer import HolderAddress, KVClient, TransferError
@@ -23,6 +25,7 @@ class Reads(Protocol):
     stats: SimStats
     bs: int
     kv: KVClient
+    nixl: NixlStats
 
 
 class KVReader:
@@ -49,6 +52,7 @@ class KVReader:
             stats.kv_reads_skipped += 1
             await self.notify(source)
             return {}
+        began = time.perf_counter()
         try:
             blocks = await e.kv.read(source.holder, plan.block_ids)
         except TransferError as exc:
@@ -58,6 +62,7 @@ class KVReader:
         stats.kv_blocks_read += len(blocks)
         if s.transfer_ms_per_block or s.transfer_ms_per_read:
             await asyncio.sleep((s.transfer_ms_per_read + len(blocks) * s.transfer_ms_per_block) / 1000)
+        e.nixl.transfer(time.perf_counter() - began, len(blocks), bs)     # the reader records it (vLLM)
         blocks = [[]] * plan.missing + blocks  # a handle shorter than needed: the head reads garbage
         out = {}
         for p in range(cached, plan.end):

@@ -21,6 +21,7 @@ class EngineRequest:
     seed: int | None = None
     stop: list[str] | None = None
     tools: ToolSpec | None = None        # what the request lets the model call
+    schema: dict[str, Any] | None = None  # response_format: the JSON schema the answer follows (structured.py)
 
 
 @dataclass
@@ -29,4 +30,5 @@ class Running:
     table: list[int]  # block ids, in position order
     num_hits: int  # leading blocks that came from the local prefix cache
     answer: Answer
+    digest: bytes = b""     # the effective context's digest: the answer's, and its logprobs', seed
     done: bool = field(default=False)

@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator
 
 import msgspec
 
+from gateway.sim import logprobs as lp
 from gateway.sim import wire
 from gateway.sim.blocks import PoolExhaustedError
 from gateway.sim.engine import Engine, EngineRequest, Running
@@ -21,6 +22,7 @@ from gateway.sim.failures import KVLoadParked, RequestFailed
 from gateway.sim.generate import THINK_CLOSE, THINK_OPEN
 from gateway.sim.render import Renderer, RenderError
 from gateway.sim.settings import SimSettings
+from gateway.sim.structured import StructuredOutputError, schema_of
 from gateway.sim.tools import (ToolRequestError, ToolSpec, ToolStream, extract, finish_reason, message_calls,
                                tool_spec)
 
@@ -43,6 +45,7 @@ class Call:
     body: wire.SamplingFields
     engine_req: EngineRequest
     tools: ToolSpec | None = None     # chat with tools the model may call (see tools.py)
+    logprobs: int | None = None       # alternatives per generated position (None: no logprobs asked)
 
     @property
     def wants_ids(self) -> bool:
@@ -72,7 +75,8 @@ class Serving:
         except RenderError as exc:
             raise SimRequestError(400, str(exc)) from exc
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        call = self._call("chat", "chatcmpl-", body, prompt, max_tokens, header_id)
+        call = self._call("chat", "chatcmpl-", body, prompt, max_tokens, header_id,
+                          _wanted(body.logprobs, body.top_logprobs, chat=True))
         call.tools = call.engine_req.tools = tools
         return call
 
@@ -85,10 +89,11 @@ class Serving:
         self._check_model(body.model)
         prompt = self._pinned_prompt(body) or self._completion_prompt(body.prompt)
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        return self._call("completion", "cmpl-", body, prompt, max_tokens, header_id)
+        return self._call("completion", "cmpl-", body, prompt, max_tokens, header_id,
+                          _wanted(body.logprobs, None, chat=False))
 
     def _call(self, kind: str, prefix: str, body: wire.SamplingFields, prompt: list[int],
-              max_tokens: int | None, header_id: str | None) -> Call:
+              max_tokens: int | None, header_id: str | None, logprobs: int | None = None) -> Call:
         if body.n != 1:
             raise SimRequestError(400, "n must be 1: the simulator serves one choice per request")
         limit = self.settings.max_model_len
@@ -104,12 +109,28 @@ class Serving:
             raise SimRequestError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. "
                                        f"This model's maximum context length is {limit} tokens and your request "
                                        f"has {len(prompt)} input tokens ({max_tokens} > {limit} - {len(prompt)}).")
+        try:
+            schema = schema_of(body.response_format)
+        except StructuredOutputError as exc:
+            raise SimRequestError(400, str(exc)) from exc
         external = prefix + (header_id or body.request_id or secrets.token_hex(16))
         req = EngineRequest(f"{external}-{secrets.token_hex(4)}", prompt, max_tokens,
                             kv_params=_connector_params(body.kv_transfer_params), cache_salt=body.cache_salt,
                             min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, seed=body.seed,
-                            stop=body.stop_list())
-        return Call(kind, external, body, req)
+                            stop=body.stop_list(), schema=schema)
+        return Call(kind, external, body, req, logprobs=logprobs)
+
+    def logprobs(self, call: Call, run: Running, tokens: list[int], start: int, offset: int = 0,
+                 ) -> dict[str, Any] | None:
+        """`choice.logprobs` for `tokens`, generated from position `start` of the answer (None: not asked)."""
+        if call.logprobs is None:
+            return None
+        vocab = len(self.renderer)
+        steps = [(t, lp.distribution(run.digest, start + i, t, vocab)) for i, t in enumerate(tokens)]
+        as_ids = bool(call.body.return_tokens_as_token_ids)
+        if call.kind == "chat":
+            return lp.chat(steps, call.logprobs, self.renderer.decode, as_ids)
+        return lp.completion(steps, call.logprobs, self.renderer.decode, as_ids, offset)
 
     def _pinned_prompt(self, body: wire.SamplingFields) -> list[int] | None:
         """vLLM 0.32+: `kv_transfer_params.prompt_token_ids` replaces rendering."""
@@ -156,11 +177,12 @@ class Serving:
         model, ans, prompt = self.settings.model, run.answer, call.engine_req.prompt
         ids = out if call.wants_ids else None
         prompt_ids = prompt if call.wants_ids else None
+        logprobs = self.logprobs(call, run, out, 0)
         if call.kind == "completion":
             return wire.completion_response(
                 call.external_id, model, text=self.renderer.decode(out), finish=ans.finish_reason,
                 stop_reason=ans.stop_reason, token_ids=ids, prompt_ids=prompt_ids, n_prompt=len(prompt),
-                n_out=len(out), kv_params=handle)
+                n_out=len(out), kv_params=handle, logprobs=logprobs)
         reasoning, content = self._split(out)
         parsed = extract(call.tools, content or "") if call.tools else None
         if parsed is not None and parsed.called:
@@ -169,7 +191,7 @@ class Serving:
             call.external_id, model, content=content, reasoning=reasoning,
             finish=finish_reason(call.tools, parsed, ans.finish_reason), stop_reason=ans.stop_reason,
             token_ids=ids, prompt_ids=prompt_ids, n_prompt=len(prompt), n_out=len(out), kv_params=handle,
-            tool_calls=message_calls(parsed) if parsed is not None and parsed.called else None)
+            tool_calls=message_calls(parsed) if parsed is not None and parsed.called else None, logprobs=logprobs)
 
     def _split(self, out: list[int]) -> tuple[str | None, str | None]:
         """vLLM's think-tag reasoning parser: text inside <think>…</think> is reasoning, the rest content."""
@@ -213,9 +235,10 @@ class Serving:
                 last = len(out) == total
                 handle = self.engine.finish(run) if last else None
                 if delta is None and not last and not call.wants_ids:
-                    continue
+                    continue            # vLLM sends no chunk for a token without text: its logprobs are lost too
+                logprobs = self.logprobs(call, run, [token], len(out) - 1, len(self.renderer.decode(out[:-1])))
                 yield frame.token_chunk(token, delta or {}, run if last else None, handle, len(out) == 1,
-                                        state.finish_reason if last else None)
+                                        state.finish_reason if last else None, logprobs)
             if not run.done:  # a stop string matched at once: nothing generated
                 handle = self.engine.finish(run)
                 yield frame.token_chunk(-1, {}, run, handle, False)
@@ -279,13 +302,14 @@ class _Framer:
         return wire.sse(wire.chunk(self.call.external_id, self.model, self.created, self.obj, [choice], **top))
 
     def token_chunk(self, token: int, delta: dict[str, Any], finished: Running | None,
-                    handle: dict[str, Any] | None, first: bool, finish: str | None = None) -> bytes:
+                    handle: dict[str, Any] | None, first: bool, finish: str | None = None,
+                    logprobs: dict[str, Any] | None = None) -> bytes:
         choice: dict[str, Any]
         if self.call.kind == "chat":
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None}
         else:
             text = delta.get("content", delta.get("reasoning_content", ""))
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None, "stop_reason": None}
             if first and self.call.wants_ids:
                 choice["prompt_token_ids"] = self.call.engine_req.prompt
         if self.call.wants_ids:
@@ -298,6 +322,13 @@ class _Framer:
                 top["kv_transfer_params"] = handle
         return wire.sse(wire.chunk(self.call.external_id, self.model, self.created, self.obj, [choice], **top))
 
+
+
+def _wanted(logprobs: bool | int | None, top_logprobs: int | None, *, chat: bool) -> int | None:
+    try:
+        return lp.check(logprobs, top_logprobs, chat=chat)
+    except ValueError as exc:
+        raise SimRequestError(400, str(exc)) from exc
 
 
 def _decode(raw: bytes, kind: type) -> Any:

@@ -143,6 +143,13 @@ def _arguments(rng: random.Random, schema: dict[str, Any]) -> dict[str, Any]:
             if k in required or rng.random() < 0.5}
 
 
+def instance(rng: random.Random, schema: dict[str, Any]) -> Any:
+    """A value `schema` accepts (types, enums, properties; two levels deep): tool arguments, structured output."""
+    if schema.get("type") == "object" or "properties" in schema:
+        return _arguments(rng, schema)
+    return _value(rng, schema, 0)
+
+
 def _value(rng: random.Random, schema: dict[str, Any], depth: int) -> Any:
     if isinstance(schema.get("enum"), list) and schema["enum"]:
         return rng.choice(schema["enum"])

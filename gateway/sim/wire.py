@@ -32,6 +32,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     return_token_ids: bool | None = None
     kv_transfer_params: dict[str, Any] | None = None
     request_id: str | None = None
+    logprobs: bool | int | None = None          # chat: true/false (with top_logprobs); completions: k
+    return_tokens_as_token_ids: bool | None = None
+    response_format: Any = None                 # structured output (structured.py)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -46,6 +49,7 @@ class ChatRequest(SamplingFields, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    top_logprobs: int | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -83,9 +87,10 @@ def chat_message(content: str | None, reasoning: str | None,
 def chat_response(rid: str, model: str, *, content: str | None, reasoning: str | None, finish: str,
                   stop_reason: str | int | None, token_ids: list[int] | None, prompt_ids: list[int] | None,
                   n_prompt: int, n_out: int, kv_params: dict[str, Any] | None,
-                  tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "message": chat_message(content, reasoning, tool_calls), "logprobs": None,
-                              "finish_reason": finish, "stop_reason": stop_reason}
+                  tool_calls: list[dict[str, Any]] | None = None,
+                  logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "message": chat_message(content, reasoning, tool_calls),
+                              "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
@@ -96,8 +101,8 @@ def chat_response(rid: str, model: str, *, content: str | None, reasoning: str |
 
 def completion_response(rid: str, model: str, *, text: str, finish: str, stop_reason: str | int | None,
                         token_ids: list[int] | None, prompt_ids: list[int] | None, n_prompt: int, n_out: int,
-                        kv_params: dict[str, Any] | None) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
+                        kv_params: dict[str, Any] | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish,
                               "stop_reason": stop_reason, "prompt_logprobs": None}
     if token_ids is not None:
         choice["prompt_token_ids"] = prompt_ids

@@ -10,6 +10,7 @@ from gateway.engines.pool import EnginePool
 from gateway.engines.registry import EngineRegistry
 from gateway.store import ConversationKey, ConversationStore
 from gateway.turns.legs.release import HandleReleaser
+from gateway.turns.state.pinning import Pinning
 
 __all__ = ["ConversationAdmin", "ConversationKey", "EngineAdmin"]   # the API names conversations through here
 
@@ -17,8 +18,8 @@ Role = Literal["prefill", "decode"]
 
 
 class ConversationAdmin:
-    def __init__(self, store: ConversationStore, releaser: HandleReleaser) -> None:
-        self.store, self.releaser = store, releaser
+    def __init__(self, store: ConversationStore, releaser: HandleReleaser, pins: Pinning | None = None) -> None:
+        self.store, self.releaser, self.pins = store, releaser, pins
 
     async def describe(self, key: ConversationKey) -> dict[str, Any] | None:
         found = await self.store.get(key)
@@ -35,6 +36,8 @@ class ConversationAdmin:
         handle = kv.from_store(await self.store.delete(key))
         if handle:
             self.releaser.release(handle, "deleted")
+        if found is not None and self.pins is not None:
+            self.pins.deleted(key, found[0].decode_engine)
         return found is not None
 
 

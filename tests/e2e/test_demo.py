@@ -15,8 +15,10 @@ from tests.servers import free_port, stop_process
 pytestmark = pytest.mark.integration
 
 
-def test_demo_prints_its_table_quickly():
-    out = subprocess.run([sys.executable, "-m", "gateway", "demo"], capture_output=True, text=True, timeout=30)
+def test_demo_prints_its_table_quickly(tmp_path):
+    logs = tmp_path / "logs"
+    out = subprocess.run([sys.executable, "-m", "gateway", "demo", "--log-dir", str(logs)], capture_output=True,
+                         text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:1].isdigit()]
     # the demo's questions are short: D alone computes each later turn's suffix (the local path)
@@ -24,8 +26,60 @@ def test_demo_prints_its_table_quickly():
     for row in rows[1:]:
         prompt, reused, computed = int(row[3]), int(row[4]), int(row[5])
         assert computed <= prompt - reused + 16       # only the new suffix (plus at most a block), on D
-    logs = Path(out.stdout.split("component logs: ")[1].split("/ ")[0])
+    assert f"component logs: {logs}/" in out.stdout
     assert {p.name for p in logs.glob("*.log")} == {"prefill.log", "decode.log", "gateway.log"}
+
+
+def test_demo_leaves_no_folder_behind_unless_asked(tmp_path):
+    """Each run used to leave a /tmp/pd-gateway-demo-* folder of logs nobody asked for."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    out = subprocess.run([sys.executable, "-m", "gateway", "demo"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "TMPDIR": str(tmp)})
+    assert out.returncode == 0, out.stderr
+    assert "component logs" not in out.stdout
+    assert list(tmp.iterdir()) == []
+
+
+def _interrupt(demo: subprocess.Popen) -> None:
+    """What a terminal's Ctrl-C does: SIGINT to every process of the foreground process group."""
+    os.killpg(demo.pid, signal.SIGINT)
+
+
+@pytest.mark.parametrize("when", ["starting", "serving"])
+def test_ctrl_c_exits_cleanly_and_keeps_tracebacks_out_of_the_logs(tmp_path, when):
+    """Ctrl-C reached the children too: each wrote a KeyboardInterrupt traceback into its log (one still
+    importing got it mid-import), and the demo itself then failed talking to a dead engine."""
+    logs = tmp_path / "logs"
+    demo = subprocess.Popen([sys.executable, "-m", "gateway", "demo", "--serve", "--port", str(free_port()),
+                             "--log-dir", str(logs)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)     # its own group, as a shell gives a foreground job
+    children: list[int] = []
+    try:
+        wanted = "component logs" if when == "starting" else "serving on"
+        for line in demo.stdout:
+            if line.startswith(wanted):
+                break
+        if when == "starting":              # the engines are importing transformers: no signal handler yet
+            deadline = time.monotonic() + 20
+            while not children_of(demo.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)
+        children = children_of(demo.pid)
+        assert children
+        _interrupt(demo)
+        output = demo.communicate(timeout=60)[0]
+        assert demo.returncode == 0, output
+        assert "Traceback" not in output and "KeyboardInterrupt" not in output, output
+        for log in logs.glob("*.log"):
+            text = log.read_text()
+            assert "Traceback" not in text and "KeyboardInterrupt" not in text, f"{log.name}:\n{text[-2000:]}"
+        assert not any(alive(c) for c in children)
+    finally:
+        stop_process(demo, signal.SIGKILL)
+        for pid in children:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def children_of(pid: int) -> list[int]:

@@ -69,3 +69,58 @@ def test_deep_nesting_is_a_client_fault(fuzz_stack, depth, where):
     else:
         assert response.status_code == 400, response.text
         assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+# Bytes that are not UTF-8 text, and JSON escapes that are not characters, anywhere in a body (issue 28: invalid
+# UTF-8 in a message was an unhandled decoder error, HTTP 500 with a traceback in the log).
+BAD_TEXT = [
+    b"\xff", b"\xc3", b"\xc3\x28", b"\xe2\x82", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80", b"\xc0\xaf", b"\x80",
+    b"\xf4\x90\x80\x80", b"caf\xe9", b"\\ud800", b"\\udc00", b"\\ud83d", b"\\ud83dx", b"\\uDBFF\\u0041",
+]
+VALID_CHAT = (b'{"model": "demo", "max_tokens": 4, "messages": [{"role": "user", "content": "hi there"}], '
+              b'"tools": [{"type": "function", "function": {"name": "f", "description": "a tool"}}], '
+              b'"user": "someone", "metadata": {"tags": ["a", "b"]}}')
+VALID_COMPLETION = b'{"model": "demo", "max_tokens": 4, "prompt": "once upon a time", "user": "someone"}'
+
+
+def _text_spans(body: bytes) -> list[int]:
+    """Offsets just inside every string of `body` (keys and values): where bad text is planted."""
+    return [i + 1 for i, byte in enumerate(body) if byte == 0x22 and body[i + 1:i + 2] != b":"]
+
+
+def _answer_is_clean(fuzz_stack, path: str, body: bytes) -> httpx.Response:
+    response = httpx.post(fuzz_stack.gateway.url + path, content=body, headers={"Content-Type": "application/json"},
+                          timeout=30)
+    assert response.status_code < 500, f"{body!r} -> {response.status_code} {response.text[:300]}"
+    assert "Traceback" not in response.text
+    if response.status_code >= 400:
+        assert {"message", "type", "param", "code"} <= set(response.json()["error"])
+    return response
+
+
+@pytest.mark.parametrize("bad", BAD_TEXT, ids=lambda b: b.hex())
+@pytest.mark.parametrize(("path", "valid"), [("/v1/chat/completions", VALID_CHAT),
+                                             ("/v1/completions", VALID_COMPLETION)], ids=["chat", "completion"])
+def test_bad_text_anywhere_is_a_400_naming_its_field(fuzz_stack, path, valid, bad):
+    for at in _text_spans(valid):
+        body = valid[:at] + bad + valid[at:]
+        response = _answer_is_clean(fuzz_stack, path, body)
+        assert response.status_code == 400, body
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and "hex escape" not in error["message"]
+        assert "UTF-8" in error["message"] or "surrogate" in error["message"], error
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_random_bytes_planted_in_a_valid_body_never_break_the_gateway(fuzz_stack, data):
+    path, valid = data.draw(st.sampled_from([("/v1/chat/completions", VALID_CHAT),
+                                             ("/v1/completions", VALID_COMPLETION)]))
+    at = data.draw(st.integers(0, len(valid)))
+    planted = data.draw(st.binary(min_size=1, max_size=8) | st.sampled_from(BAD_TEXT))
+    _answer_is_clean(fuzz_stack, path, valid[:at] + planted + valid[at:])
+
+
+def test_the_gateway_logged_no_traceback(fuzz_stack):
+    """Run after the tests above (same module stack): no request, however bad, was an unhandled error."""
+    assert "Traceback" not in fuzz_stack.gateway.log()

@@ -32,7 +32,8 @@ from gateway.telemetry import Metrics
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
-DASHBOARD = json.loads((ROOT / "deploy/grafana/dashboards/pd-gateway.json").read_text())
+DASHBOARDS = {p.name: json.loads(p.read_text()) for p in sorted((ROOT / "deploy/grafana/dashboards").glob("*.json"))}
+DASHBOARD = DASHBOARDS["pd-gateway.json"]
 OUR_IMAGE = "pd-gateway:local"
 PROFILES = {
     "sim": {"redis", "migrate", "sim-prefill", "sim-decode", "gateway"},
@@ -276,11 +277,14 @@ def test_grafana_provisioning_points_at_the_dashboard():
     home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert home == provider["providers"][0]["options"]["path"] + "/pd-gateway.json"
     assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
-    uids = {p["datasource"]["uid"] for p in DASHBOARD["panels"]}
+    uids = {p["datasource"]["uid"] for d in DASHBOARDS.values() for p in d["panels"]}
     assert uids == {datasource["datasources"][0]["uid"]}
+    assert len({d["uid"] for d in DASHBOARDS.values()}) == len(DASHBOARDS) == 2
 
 
-def test_dashboard_structure():
+@pytest.mark.parametrize("name", sorted(DASHBOARDS))
+def test_dashboard_structure(name):
+    DASHBOARD = DASHBOARDS[name]
     for key in ("uid", "title", "schemaVersion", "panels", "time", "templating", "annotations"):
         assert key in DASHBOARD, key
     panels = DASHBOARD["panels"]
@@ -308,7 +312,9 @@ def test_dashboard_covers_the_questions_operators_ask():
         assert topic in titles
 
 
-def test_dashboard_queries_only_existing_metrics():
+@pytest.mark.parametrize("name", sorted(DASHBOARDS))
+def test_dashboard_queries_only_existing_metrics(name):
+    DASHBOARD = DASHBOARDS[name]
     exported = set()
     for line in Metrics().render().decode().splitlines():
         if line.startswith("# TYPE "):
@@ -317,7 +323,28 @@ def test_dashboard_queries_only_existing_metrics():
     used = {m for p in DASHBOARD["panels"] for t in p["targets"] for m in re.findall(r"\bpdgw_\w+", t["expr"])}
     assert used and used <= exported, used - exported
     phases = {m for p in DASHBOARD["panels"] for t in p["targets"] for m in re.findall(r'phase=~"([^"]+)"', t["expr"])}
-    assert set("|".join(phases).split("|")) <= {"intake", "plan", "prefill", "decode_ttft", "total"}
+    assert set("|".join(phases).split("|")) - {""} <= {"intake", "plan", "prefill", "decode_ttft", "total"}
+    phases = {m for p in DASHBOARD["panels"] for t in p["targets"] for m in re.findall(r'phase="([^"]+)"', t["expr"])}
+    assert phases <= {"intake", "plan", "prefill", "decode_ttft", "total"}
+
+
+def test_the_data_plane_dashboard_shows_transfers_beside_the_gateways_timings():
+    """Issue 28: TTFT, D's wait for remote KV, transfer p50/p90, bytes and descriptors per transfer, failed
+    transfers, expired leases and pins, per engine and per P-D pair, in one place."""
+    board = DASHBOARDS["pd-data-plane.json"]
+    titles = " | ".join(p["title"] for p in board["panels"])
+    for topic in ("TTFT", "D's wait for remote KV", "p50 / p90", "Bytes per transfer", "Descriptors per transfer",
+                  "Failed transfers", "Expired leases", "Pins per D", "per P-D pair"):
+        assert topic in titles, topic
+    exprs = [t["expr"] for p in board["panels"] for t in p["targets"]]
+    assert any("$prefill" in e and "$decode" in e for e in exprs)            # a pair's engines chosen together
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert set(variables) == {"prefill", "decode"}
+    for name, variable in variables.items():
+        assert f'pool="{name}"' in variable["query"]["query"] and variable["multi"] and variable["includeAll"]
+    for expr in exprs:                                 # every engine series is per engine: grouped or filtered by it
+        if "pdgw_engine_" in expr:
+            assert re.search(r"by \([^)]*\bengine\b", expr) and 'engine=~"$' in expr, expr
 
 
 def test_compose_mentions_no_setting_the_gateway_lacks():

@@ -1,6 +1,6 @@
-"""Imports flow one way (STYLE.md): api → turns → engines, store; the simulator imports nothing of the gateway.
-Inside turns/ too: intake → reuse → legs → state → the flat modules that run a turn, each importing only those
-before it (docs/architecture.md)."""
+"""Imports flow one way (STYLE.md): api → turns → engines, store; the simulator imports nothing of the gateway;
+verify (a client of a deployment) knows only the engines' wire protocol. Inside turns/ too: intake → reuse → legs →
+state → the flat modules that run a turn, each importing only those before it (docs/architecture.md)."""
 
 import ast
 from pathlib import Path
@@ -16,6 +16,7 @@ ALLOWED = {
     "engines": set(),
     "store": set(),
     "sim": set(),
+    "verify": {"engines"},          # the KV-handle protocol and the /metrics reader, for its controls
 }
 LEAVES = {"errors", "config", "telemetry", "tracing"}
 # turns/ sub-package → the turns sub-packages it may import (besides itself), and the gateway packages
@@ -25,7 +26,7 @@ TURNS_PACKAGES = {"intake": {"store"}, "reuse": {"engines", "store"}, "legs": {"
 # top-level modules → gateway packages and modules they may import (besides the leaves)
 TOP_LEVEL = {
     "__main__": {"cli"},
-    "cli": {"app", "serving", "startup", "demo", "store", "sim", "api"},   # commands: each imports its own
+    "cli": {"app", "serving", "startup", "demo", "store", "sim", "api", "verify"},   # commands: each its own
     "app": {"api", "turns", "engines", "store", "startup"},                # wires everything but the simulator
     "startup": {"engines", "store", "turns"},
     "serving": set(),
@@ -37,6 +38,7 @@ FOREIGN_BANS = {  # third-party modules a package must not touch
     "turns": {"litestar", "redis"},
     "engines": {"litestar", "redis", "transformers"},
     "store": {"litestar", "aiohttp", "httpx", "transformers"},
+    "verify": {"litestar", "redis", "transformers"},
 }
 
 

@@ -124,3 +124,14 @@ async def test_a_conversations_own_handle_is_replaced_not_evicted():
         await turn(state, "a", prompt)
     assert releaser.released == []
     assert value(metrics, "pdgw_pinned_tokens", engine=D) == 32
+
+
+async def test_deleting_a_conversation_takes_its_pin_out_of_d_s_budget():
+    from gateway.turns.admin import ConversationAdmin
+    state, releaser, metrics = make_state(capacity=100)
+    await turn(state, "a", 16)
+    assert value(metrics, "pdgw_pinned_tokens", engine=D) == 16
+    admin = ConversationAdmin(state.store, releaser, state.pins)   # type: ignore[arg-type]
+    assert await admin.delete(ConversationKey("t", "a"))
+    assert releaser.released[-1] == (16, "deleted")
+    assert value(metrics, "pdgw_pinned_tokens", engine=D) == 0 and state.pins.pins.pinned_tokens(D) == 0

@@ -18,11 +18,11 @@ from gateway.engines.probe import honours_pinned_ids, kv_transfer_of
         "kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"bidirectional_kv_xfer": True}}}},
      {"connector": "NixlConnector", "role": "kv_producer", "failure_policy": "recompute", "bidirectional": True,
-      "decoder_kv_blocks_ttl": None}),
+      "decoder_kv_blocks_ttl": None, "kv_lease_duration": None}),
     ({"vllm_config": {"kv_transfer_config": {"kv_connector": "NixlConnector", "kv_role": "kv_consumer",
                                              "kv_connector_extra_config": {"decoder_kv_blocks_ttl": 900}}}},
      {"connector": "NixlConnector", "role": "kv_consumer", "failure_policy": "fail", "bidirectional": False,
-      "decoder_kv_blocks_ttl": 900.0}),
+      "decoder_kv_blocks_ttl": 900.0, "kv_lease_duration": None}),
     ({"vllm_config": {"kv_transfer_config": None}}, None),       # an engine without a connector
     ({"vllm_config": "VllmConfig(model=...)"}, None),              # the text format
     ({}, None),

@@ -101,3 +101,19 @@ def test_token_id_prompts_outside_the_vocabulary_are_400():
         with pytest.raises(InvalidRequestError) as err:
             renderer.render_prompt(bad)
         assert err.value.param == "prompt"
+
+
+@pytest.mark.parametrize(("endpoint", "choice"), [
+    ("/v1/chat/completions", {"index": 0, "message": {"role": "assistant", "content": "a b"}, "finish_reason": "stop",
+                              "logprobs": {"content": [{"token": "a", "logprob": -0.1, "top_logprobs": []},
+                                                       {"token": " b", "logprob": -0.3, "top_logprobs": []}]}}),
+    ("/v1/completions", {"index": 0, "text": "a b", "finish_reason": "stop",
+                         "logprobs": {"tokens": ["a", " b"], "token_logprobs": [-0.1, -0.3],
+                                      "top_logprobs": [{"a": -0.1}, {" b": -0.3}], "text_offset": [0, 1]}}),
+])
+def test_the_buffer_policy_keeps_logprobs(endpoint, choice):
+    """`--stream-handle-policy buffer` re-streams D's whole answer: its logprobs were dropped (always None)."""
+    from gateway.turns.legs.restream import chunks
+
+    out = chunks({"id": "x", "created": 1, "model": "m", "choices": [choice]}, _turn(endpoint=endpoint))
+    assert out[0]["choices"][0]["logprobs"] == choice["logprobs"]

@@ -21,6 +21,7 @@ from tests.vllm.engines import LOCAL_LEASE_S, PIN_TTL_S, TOOL_FLAGS, Engine, lau
 ROOT = Path(__file__).resolve().parents[2]
 BUILD_TIMEOUT_S = 900
 HANDLE_TTL_MARGIN_S = 8          # the gateway stops using a D handle 8 s before D unpins it
+ADMIN_KEY = "vllm-tier-admin"    # the admin API on: `pd-gateway verify` deletes its conversations through it
 
 
 @pytest.fixture(scope="session")
@@ -137,7 +138,7 @@ def _gateway(prefill: Engine, decode: Engine, model: Path, *flags: str) -> Itera
     server = start(["serve", "--tokenizer", str(model), "--prefill", prefill.url, "--decode", decode.url,
                     "--decoder-kv-blocks-ttl-s", str(PIN_TTL_S), "--handle-ttl-margin-s", str(HANDLE_TTL_MARGIN_S),
                     "--health-interval-s", "1", "--reuse-policy", "always", "--local-prefill-max-tokens", "0",
-                    *flags])
+                    "--admin-key", ADMIN_KEY, *flags])
     try:
         yield server
     finally:

@@ -20,7 +20,10 @@ def chunks(response: dict[str, Any], req: TurnRequest) -> list[dict[str, Any]]:
     head["object"] = "chat.completion.chunk" if chat else "text_completion"
     out = []
     for choice in response.get("choices") or ():
-        piece = {"index": choice.get("index", 0), "logprobs": None, "finish_reason": choice.get("finish_reason")}
+        # The whole answer's logprobs ride on its one chunk, in the non-streamed shape, which is also the streamed
+        # one: chat's {"content": [per token]}, completions' parallel lists.
+        piece = {"index": choice.get("index", 0), "logprobs": choice.get("logprobs"),
+                 "finish_reason": choice.get("finish_reason")}
         if chat:
             message = choice.get("message") or {}
             piece["delta"] = {k: v for k, v in message.items() if v is not None}

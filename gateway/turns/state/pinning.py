@@ -46,6 +46,12 @@ class Pinning:
             return None, None
         return handle, victims
 
+    def deleted(self, key: ConversationKey, engine: str) -> None:
+        """The conversation was deleted (its handle released): its blocks no longer count against D's budget."""
+        if self.pins is not None:
+            self.pins.drop(key)
+            self.report(engine)
+
     def stored(self, engine: str, session: ConversationKey, turn: int, handle: kv.Handle, now: float,
                expires_at: float) -> None:
         if self.pins is not None:

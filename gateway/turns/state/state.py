@@ -108,6 +108,7 @@ class ConversationState:
     async def record(self, req: TurnRequest, session: ConversationKey | None, start: TurnStart | None,
                      plan: Plan, served: Served, capture: DecodeCapture) -> None:
         """Store what D now holds (the turn still owns the conversation's counter), else release D's handle."""
+        leased = capture.handle is not None and capture.handle.leased      # before the flags are D's own
         handle = self._verified_handle(capture)
         if session is not None:
             self.pins.spent(session)                  # the claimed handle, if any, was read or released
@@ -116,7 +117,7 @@ class ConversationState:
                 self.releaser.release(handle, "unused")
             return
         now = time.time()
-        expires_at = now + (self.settings.lease_ttl_s if handle and handle.leased else self.settings.handle_ttl_s)
+        expires_at = now + (self.settings.lease_ttl_s if leased else self.settings.handle_ttl_s)
         handle, victims = self.pins.admit(session, served.decode, handle, now)
         previous = start.record
         num_tokens, held = held_fingerprint(      # hashes only the blocks the plan did not verify

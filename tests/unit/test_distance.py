@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bench.gpu.logprob_distance import (Distance, distance, flagged, flagged_kl, from_chat, from_completion, summary,
+from gateway.verify.distance import (Distance, distance, flagged, flagged_kl, from_chat, from_completion, summary,
                                         token_key)
 
 BASE = {10: -0.2, 11: -1.9, 12: -3.0, 13: -4.5}
