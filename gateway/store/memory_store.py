@@ -24,6 +24,7 @@ from .base import (
     HandleState,
     Holder,
     HolderState,
+    StoredResponse,
     TurnStart,
     check_key,
     check_tenant,
@@ -31,6 +32,7 @@ from .base import (
 )
 from .codec import decode_handle, decode_record, encode_handle, encode_record
 from .memory_index import PrefixIndex
+from .memory_responses import MemoryResponses
 
 DEFAULT_MAX_CONVERSATIONS = 100_000
 
@@ -67,6 +69,7 @@ class MemoryConversationStore:
         # Ordered by last write; with one TTL for all, the front is also the first to expire.
         self._entries: OrderedDict[ConversationKey, _Entry] = OrderedDict()
         self._index = PrefixIndex()
+        self._responses = MemoryResponses(conversation_ttl_s, clock)
 
     async def begin_turn(self, key: ConversationKey, now: float) -> TurnStart:
         check_key(key)
@@ -197,12 +200,22 @@ class MemoryConversationStore:
             return None
         return decode_handle(entry.handle)
 
+    async def put_response(self, tenant: str, response_id: str, response: StoredResponse) -> None:
+        self._responses.put(tenant, response_id, response)
+
+    async def get_response(self, tenant: str, response_id: str) -> StoredResponse | None:
+        return self._responses.get(tenant, response_id)
+
+    async def delete_response(self, tenant: str, response_id: str) -> bool:
+        return self._responses.delete(tenant, response_id)
+
     async def ping(self) -> bool:
         return True
 
     async def close(self) -> None:
         self._entries.clear()
         self._index.clear()
+        self._responses.clear()
 
     def __len__(self) -> int:
         return len(self._entries)
