@@ -22,6 +22,7 @@ HELP = {
     "model": "served model name (default: what the engines report)",
     "block_size": "KV block size (default: read from the engines' vllm:cache_config_info)",
     "session_header": "request header carrying the session id",
+    "agent_session_headers": "headers coding agents send their session id in, tried in order after --session-header (each names one conversation per system prompt); none: off",
     "conversation_lookup": "how a turn finds its conversation: session (id only), prefix (tokens only) or both",
     "decoder_kv_blocks_ttl_s": "D's decoder_kv_blocks_ttl: how long D pins a finished turn's KV",
     "handle_ttl_margin_s": "stop using a D handle this long before D unpins it",

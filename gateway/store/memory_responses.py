@@ -63,3 +63,18 @@ def _key(tenant: str, response_id: str) -> tuple[str, str]:
     check_tenant(tenant)
     check_response_id(response_id)
     return tenant, response_id
+
+
+class ResponseMethods:
+    """The store contract's response methods, for a store that keeps a `MemoryResponses` as `_responses`."""
+
+    _responses: MemoryResponses
+
+    async def put_response(self, tenant: str, response_id: str, response: StoredResponse) -> None:
+        self._responses.put(tenant, response_id, response)
+
+    async def get_response(self, tenant: str, response_id: str) -> StoredResponse | None:
+        return self._responses.get(tenant, response_id)
+
+    async def delete_response(self, tenant: str, response_id: str) -> bool:
+        return self._responses.delete(tenant, response_id)

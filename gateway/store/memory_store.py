@@ -24,7 +24,6 @@ from .base import (
     HandleState,
     Holder,
     HolderState,
-    StoredResponse,
     TurnStart,
     check_key,
     check_tenant,
@@ -32,7 +31,7 @@ from .base import (
 )
 from .codec import decode_handle, decode_record, encode_handle, encode_record
 from .memory_index import PrefixIndex
-from .memory_responses import MemoryResponses
+from .memory_responses import MemoryResponses, ResponseMethods
 
 DEFAULT_MAX_CONVERSATIONS = 100_000
 
@@ -51,7 +50,7 @@ class _Entry:
     evicted: int = 0  # the finished turn whose handle evict_handle took (0: none); reported once
 
 
-class MemoryConversationStore:
+class MemoryConversationStore(ResponseMethods):
     kind = "memory"
 
     def __init__(
@@ -199,15 +198,6 @@ class MemoryConversationStore:
         if entry is None or entry.handle is None or entry.handle_expires_at <= self._clock():
             return None
         return decode_handle(entry.handle)
-
-    async def put_response(self, tenant: str, response_id: str, response: StoredResponse) -> None:
-        self._responses.put(tenant, response_id, response)
-
-    async def get_response(self, tenant: str, response_id: str) -> StoredResponse | None:
-        return self._responses.get(tenant, response_id)
-
-    async def delete_response(self, tenant: str, response_id: str) -> bool:
-        return self._responses.delete(tenant, response_id)
 
     async def ping(self) -> bool:
         return True

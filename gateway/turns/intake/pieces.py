@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 DEFAULT_CACHE_TOKENS = 4_000_000       # token ids kept (about 4 bytes each as array('i'), plus the text)
+MAX_JOINED_CHUNKS = 512                 # pieces a joined TokenIds keeps before it merges them
 
 _encode_json = msgspec.json.Encoder().encode
 EncodeBatch = Callable[[list[str]], list[list[int]]]
@@ -60,6 +61,26 @@ class TokenIds(list):
         ids._bytes = ids._json = None
         ids._byte_chunks, ids._json_items = byte_chunks, json_items
         return ids
+
+    @classmethod
+    def joined(cls, parts: Sequence[Sequence[int]]) -> TokenIds:
+        """The ids of `parts` one after the other, their bytes and JSON kept as the parts' pieces (a
+        continued prompt copies the previous ids' references, never re-encodes them)."""
+        ids = cls.__new__(cls)
+        chunks: list[bytes] = []
+        items: list[bytes] = []
+        for part in parts:
+            ids += part
+            if isinstance(part, TokenIds):
+                chunks += part._byte_chunks if part._byte_chunks is not None else [part.as_bytes]
+                items += part._json_items if part._json_items is not None else [part.as_json[1:-1]]
+            elif part:
+                _, as_bytes, as_json = piece(part)
+                chunks.append(as_bytes)
+                items.append(as_json)
+        if len(chunks) > MAX_JOINED_CHUNKS:           # a long chain of turns: one chunk now and then
+            chunks, items = [b"".join(chunks)], [b",".join(i for i in items if i)]
+        return cls.of_pieces(ids, chunks, [i for i in items if i])
 
     @property
     def as_bytes(self) -> bytes:
