@@ -18,6 +18,7 @@ from litestar.di import Provide
 from gateway.api.admin import ADMIN_ROUTES
 from gateway.api.auth import ApiKeys
 from gateway.api.errors import HANDLERS
+from gateway.api.messages_routes import MESSAGES_ROUTES
 from gateway.api.responses_routes import RESPONSES_ROUTES
 from gateway.api.routes import ROUTES, Gateway
 from gateway.config import Settings
@@ -58,7 +59,7 @@ def create_app(settings: Settings, tracing: Tracing | None = None,
         raise ValueError("at least one --prefill and one --decode engine are needed")
     tracing = tracing or start_tracing(settings.tracing, settings.otlp_endpoint)
     return Litestar(
-        route_handlers=[*ROUTES, *RESPONSES_ROUTES, *ADMIN_ROUTES],
+        route_handlers=[*ROUTES, *RESPONSES_ROUTES, *MESSAGES_ROUTES, *ADMIN_ROUTES],
         exception_handlers=HANDLERS,
         state=State({"api_keys": ApiKeys.from_settings(settings), "settings": settings}),
         dependencies={name: Provide(_from_state(name), sync_to_thread=False) for name in _PROVIDED},
