@@ -32,6 +32,7 @@ class MessageEvents:
         self.matched: Any = None
         self.output_tokens = 0
         self.error: dict[str, Any] | None = None
+        self.blank = ""                       # whitespace not yet shown
 
     async def relay(self, chat: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
         start = message(self.message_id, self.model, content=[], stop=(None, None), input_tokens=self.input_tokens,
@@ -65,10 +66,14 @@ class MessageEvents:
         out: list[bytes] = []
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
-            if delta.get("content"):
+            piece = delta.get("content")
+            if piece and self.open != "text" and not piece.strip():
+                self.blank += piece            # whitespace around tool calls is no text block of its own
+            elif piece:
                 if self.open != "text":
                     out += self._start({"type": "text", "text": ""}, "text")
-                out.append(self._delta({"type": "text_delta", "text": delta["content"]}))
+                    piece, self.blank = self.blank + piece, ""
+                out.append(self._delta({"type": "text_delta", "text": piece}))
             for call in delta.get("tool_calls") or ():
                 out += self._call(call)
             self.finish = choice.get("finish_reason") or self.finish
@@ -80,6 +85,7 @@ class MessageEvents:
         index = f"call {call.get('index', 0)}"
         function = call.get("function") or {}
         if self.open != index:
+            self.blank = ""
             block = {"type": "tool_use", "id": call.get("id") or f"toolu_{self.message_id}_{self.block + 1}",
                      "name": function.get("name") or "", "input": {}}
             out += self._start(block, index)

@@ -34,9 +34,11 @@ class ResponseEvents:
     def __init__(self, start: dict[str, Any], finish: Finish) -> None:
         self.start, self.finish = start, finish
         self.sequence = 0
-        self.output: list[dict[str, Any]] = []
-        self.text: dict[str, Any] | None = None       # the message item being streamed
-        self.calls: dict[int, dict[str, Any]] = {}    # chat tool-call index → its function_call item
+        self.output: list[dict[str, Any]] = []        # closed items, in order
+        self.item: dict[str, Any] | None = None       # the item being streamed (output_index: len(output))
+        self.key: str | int | None = None             # "text", or the chat tool-call index it streams
+        self.pieces: list[str] = []                   # the open message's text so far
+        self.blank = ""                               # whitespace not yet shown: the text between calls
         self.usage: dict[str, Any] | None = None
         self.finish_reason: str | None = None
         self.error: dict[str, Any] | None = None
@@ -54,7 +56,7 @@ class ResponseEvents:
                     yield b"".join(out)
         finally:
             await chat.aclose()
-        tail = self._close_all()
+        tail = self._close()
         status = "failed" if self.error else "completed"
         final = await self.finish(status, self.output, self.usage, self.finish_reason, self.error)
         kind = {"failed": "response.failed", "incomplete": "response.incomplete"}.get(final["status"],
@@ -80,64 +82,61 @@ class ResponseEvents:
         return out
 
     def _text_delta(self, piece: str) -> list[bytes]:
+        if self.key != "text" and not piece.strip():
+            self.blank += piece            # whitespace around tool calls is no message of its own
+            return []
         out = []
-        if self.text is None:
-            self.text = message_item("", status="in_progress")
-            self.text["_text"] = []
-            out.append(self._event("response.output_item.added", output_index=len(self.output),
-                                   item=_public(self.text)))
-            out.append(self._event("response.content_part.added", item_id=self.text["id"],
+        if self.key != "text":
+            out += self._close()
+            self.item, self.key, self.pieces = message_item("", status="in_progress"), "text", []
+            out.append(self._event("response.output_item.added", output_index=len(self.output), item=self.item))
+            out.append(self._event("response.content_part.added", item_id=self.item["id"],
                                    output_index=len(self.output), content_index=0, part=output_text("")))
-        self.text["_text"].append(piece)
-        out.append(self._event("response.output_text.delta", item_id=self.text["id"], output_index=len(self.output),
+            piece, self.blank = self.blank + piece, ""
+        self.pieces.append(piece)
+        out.append(self._event("response.output_text.delta", item_id=self.item["id"], output_index=len(self.output),
                                content_index=0, delta=piece, logprobs=[]))
         return out
 
     def _call_delta(self, call: dict[str, Any]) -> list[bytes]:
-        out = self._close_text()
-        index = call.get("index", len(self.calls))
-        item = self.calls.get(index)
+        out: list[bytes] = []
+        key = call.get("index", 0)
         function = call.get("function") or {}
-        if item is None:
-            item = call_item({"id": call.get("id") or new_id("call"), "function": {"name": function.get("name")}},
-                             status="in_progress")
-            item["_index"] = len(self.output) + len(self.calls)
-            self.calls[index] = item
-            out.append(self._event("response.output_item.added", output_index=item["_index"], item=_public(item)))
+        if self.key != key:
+            out += self._close()
+            self.blank = ""
+            self.item = call_item({"id": call.get("id") or new_id("call"), "function": {"name": function.get("name")}},
+                                  status="in_progress")
+            self.key = key
+            out.append(self._event("response.output_item.added", output_index=len(self.output), item=self.item))
         elif function.get("name"):
-            item["name"] = function["name"]
+            self.item["name"] = function["name"]
         if function.get("arguments"):
-            item["arguments"] += function["arguments"]
-            out.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                   output_index=item["_index"], delta=function["arguments"]))
+            self.item["arguments"] += function["arguments"]
+            out.append(self._event("response.function_call_arguments.delta", item_id=self.item["id"],
+                                   output_index=len(self.output), delta=function["arguments"]))
         return out
 
-    # -- closing items -------------------------------------------------------------------------------------
-    def _close_text(self) -> list[bytes]:
-        if self.text is None:
+    def _close(self) -> list[bytes]:
+        """The open item's closing events; it joins the output."""
+        item, index = self.item, len(self.output)
+        if item is None:
             return []
-        item, index = self.text, len(self.output)
-        text = "".join(item.pop("_text"))
-        done = message_item(text, item_id=item["id"])
-        self.output.append(done)
-        self.text = None
-        return [self._event("response.output_text.done", item_id=done["id"], output_index=index, content_index=0,
-                            text=text, logprobs=[]),
-                self._event("response.content_part.done", item_id=done["id"], output_index=index, content_index=0,
-                            part=output_text(text)),
-                self._event("response.output_item.done", output_index=index, item=done)]
-
-    def _close_all(self) -> list[bytes]:
-        out = self._close_text()
-        for item in self.calls.values():
-            index = item.pop("_index")
-            item["status"] = "completed"
-            self.output.append(item)
-            out.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                   name=item["name"], arguments=item["arguments"]))
-            out.append(self._event("response.output_item.done", output_index=index, item=item))
-        self.calls = {}
-        return out
+        self.item, self.key = None, None
+        if item["type"] == "message":
+            text = "".join(self.pieces)
+            done = message_item(text, item_id=item["id"])
+            self.output.append(done)
+            return [self._event("response.output_text.done", item_id=done["id"], output_index=index,
+                                content_index=0, text=text, logprobs=[]),
+                    self._event("response.content_part.done", item_id=done["id"], output_index=index,
+                                content_index=0, part=output_text(text)),
+                    self._event("response.output_item.done", output_index=index, item=done)]
+        item["status"] = "completed"
+        self.output.append(item)
+        return [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                            name=item["name"], arguments=item["arguments"]),
+                self._event("response.output_item.done", output_index=index, item=item)]
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         self.sequence += 1
@@ -156,7 +155,3 @@ def payloads(frames: bytes) -> list[bytes]:
         if data:
             out.append(b"\n".join(data))
     return out
-
-
-def _public(item: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in item.items() if not k.startswith("_")}
