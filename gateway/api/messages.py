@@ -159,9 +159,8 @@ def _tool(tool: Any, i: int) -> dict[str, Any]:
     if not isinstance(tool, dict) or tool.get("type") not in (None, "custom") or not isinstance(tool.get("name"), str):
         raise InvalidRequestError("only client tools {name, description, input_schema} are supported",
                                   param=f"tools[{i}]")
-    function = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
-    if tool.get("description"):
-        function["description"] = tool["description"]
+    function = {"name": tool["name"], **({"description": tool["description"]} if tool.get("description") else {}),
+                "parameters": tool.get("input_schema") or {"type": "object"}}
     return {"type": "function", "function": function}
 
 

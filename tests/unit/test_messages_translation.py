@@ -45,8 +45,9 @@ def test_chat_body_carries_system_tools_and_sampling():
                              tools=[{"name": "f", "description": "d", "input_schema": {"type": "object"}}],
                              tool_choice={"type": "any", "disable_parallel_tool_use": True}), "demo")
     assert body["messages"][0] == {"role": "system", "content": "Be brief.\nReally."}
-    assert body["tools"] == [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"},
-                                                               "description": "d"}}]
+    assert body["tools"] == [{"type": "function", "function": {"name": "f", "description": "d",
+                                                               "parameters": {"type": "object"}}}]
+    assert list(body["tools"][0]["function"]) == ["name", "description", "parameters"]     # as chat clients order it
     assert (body["tool_choice"], body["parallel_tool_calls"], body["stop"], body["top_k"]) == \
         ("required", False, ["END"], 5)
     assert body["stream_options"] == {"include_usage": True} and body["max_tokens"] == 16
