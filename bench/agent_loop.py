@@ -1,6 +1,9 @@
 """Agent loops under the GPU-like cost model: TTFT per step, P's computed prompt tokens against the ideal, with
-the gateway keeping D's KV (`--history-tokens generated` and `rendered`) and as stateless PD (no session: the
-engines' prefix caches only).
+the gateway keeping D's KV (`--history-tokens generated` and `rendered`), as stateless PD (no session: the
+engines' prefix caches only), and through the Responses API (`/v1/responses` with `previous_response_id`: each
+step sends only its tool results). The gateway's intake time per step (`pdgw_turn_seconds{phase="intake"}`,
+all agents at one step at a time) shows what each step costs before the legs: the chat arm's grows with the
+history it re-reads, the Responses arm's does not.
 
     python bench/agent_loop.py --quick     # 2 agents x 12 steps; writes its section into bench/RESULTS.md
     python bench/agent_loop.py             # 4 agents x 30 steps
@@ -10,6 +13,8 @@ call(s) (hermes-style, some JSON that re-renders differently) and 1-4k tokens of
 history sent every step, streamed. Ideal = each step computes only what is not a common prefix of its prompt
 and the previous step's held tokens (prompt + output). The last line is
     agent_loop: ttft_later_ms_generated=X rendered=Y stateless=Z computed_over_ideal_generated=A rendered=B
+        responses_computed_over_ideal=C intake_last_over_second_chat=D responses=E
+(`intake_last_over_second`: mean intake of the last 5 steps over that of steps 2-6.)
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import statistics
 import sys
 import time
 import uuid
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +51,30 @@ class StepResult:
     prompt_ids: list[int]
     output_ids: list[int]
     plan: str
+    new_tokens: int = -1              # Responses arm: the step's prompt tokens beyond what D held (from usage)
+    prompt_tokens: int = 0            # Responses arm: its prompt's length (from usage)
+
+
+class StepClock:
+    """All agents start each step together; between steps, the gateway's intake histogram is read, so each
+    step's mean intake time is known."""
+
+    def __init__(self, url: str, agents: int) -> None:
+        self.url, self.sums, self.counts = url, [], []
+        self.barrier = threading.Barrier(agents, action=self._snapshot)
+
+    def _snapshot(self) -> None:
+        m = metrics(self.url)
+        self.sums.append(m.get('pdgw_turn_seconds_sum{phase="intake"}', 0.0))
+        self.counts.append(m.get('pdgw_turn_seconds_count{phase="intake"}', 0.0))
+
+    def wait(self) -> None:
+        self.barrier.wait()
+
+    def per_step_ms(self) -> list[float]:
+        self._snapshot()
+        return [(self.sums[i + 1] - self.sums[i]) / max(1.0, self.counts[i + 1] - self.counts[i]) * 1e3
+                for i in range(len(self.sums) - 1)]
 
 
 @dataclass
@@ -52,6 +82,7 @@ class Agent:
     url: str
     index: int
     session: str | None
+    clock: StepClock | None = None
     tool_defs: list[dict] = field(default_factory=tools)
 
     def run(self, steps: int) -> list[StepResult]:
@@ -62,6 +93,8 @@ class Agent:
         headers = {"X-Session-Id": self.session} if self.session else {}
         with httpx.Client(timeout=300) as http:
             for _ in range(steps):
+                if self.clock is not None:
+                    self.clock.wait()
                 step, content, calls = self._step(http, headers, messages)
                 out.append(step)
                 messages.append({"role": "assistant", "content": content or None,
@@ -97,26 +130,87 @@ class Agent:
         return StepResult(ttft or 0.0, prompt_ids, output_ids, plan), content, calls
 
 
-def run_arm(url: str, engines: list, prefills: int, agents: int, steps: int, sessions: bool) -> dict:
+@dataclass
+class ResponsesAgent:
+    """The same agent through `/v1/responses`: the system prompt as instructions, Responses function tools,
+    each later step only its tool results (or "Go on.") with `previous_response_id`, streamed."""
+    url: str
+    index: int
+    clock: StepClock | None = None
+    tool_defs: list[dict] = field(default_factory=lambda: [{"type": "function", **t["function"]} for t in tools()])
+
+    def run(self, steps: int) -> list[StepResult]:
+        rng = random.Random(self.index)
+        instructions = f"agent {self.index}. " + system_prompt()
+        new: object = f"Task {self.index}: audit the river stone market."
+        previous, held, out = None, 0, []
+        with httpx.Client(timeout=300) as http:
+            for _ in range(steps):
+                if self.clock is not None:
+                    self.clock.wait()
+                body = {"model": "demo", "instructions": instructions, "input": new, "tools": self.tool_defs,
+                        "stream": True, "max_output_tokens": 400, "previous_response_id": previous}
+                ttft, plan, final = self._step(http, body)
+                usage = final["usage"]
+                out.append(StepResult(ttft, [], [], plan, usage["input_tokens"] - held, usage["input_tokens"]))
+                held = usage["input_tokens"] + usage["output_tokens"] - 1
+                calls = [item for item in final["output"] if item["type"] == "function_call"]
+                new = [{"type": "function_call_output", "call_id": c["call_id"],
+                        "output": tool_result(rng, {"function": {"name": c["name"]}}, 1 / len(calls))}
+                       for c in calls] or "Go on."
+                previous = final["id"]
+        return out
+
+    def _step(self, http: httpx.Client, body: dict) -> tuple[float, str, dict]:
+        began, ttft, final = time.perf_counter(), None, None
+        with http.stream("POST", self.url + "/v1/responses", json=body) as resp:
+            resp.raise_for_status()
+            plan = resp.headers.get("x-pd-plan", "")
+            for line in resp.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                event = json.loads(line[5:])
+                if ttft is None and event["type"] == "response.output_item.added":
+                    ttft = time.perf_counter() - began           # the answer's first item, as D's first token
+                if event["type"] in ("response.completed", "response.incomplete"):
+                    final = event["response"]
+        assert final is not None, "no response.completed"
+        return ttft or 0.0, plan, final
+
+
+def run_arm(url: str, engines: list, prefills: int, agents: int, steps: int, sessions: bool,
+            responses: bool = False) -> dict:
     reset(*engines)
     before = metrics(url)
     run = uuid.uuid4().hex[:8]
+    clock = StepClock(url, agents)
+    make = (lambda i: ResponsesAgent(url, i, clock)) if responses else \
+        (lambda i: Agent(url, i, f"{run}-a{i}" if sessions else None, clock))
     with ThreadPoolExecutor(agents) as pool:
-        results = list(pool.map(lambda i: Agent(url, i, f"{run}-a{i}" if sessions else None).run(steps),
-                                range(agents)))
+        results = list(pool.map(lambda i: make(i).run(steps), range(agents)))
     stats = p_stats(engines[:prefills])
-    first = sum(len(r[0].prompt_ids) for r in results)
+    first = sum(len(r[0].prompt_ids) or r[0].new_tokens for r in results)
     ideal = sum(_new(r, i) for r in results for i in range(1, len(r)))
+    intake = clock.per_step_ms()
     by_step = [statistics.fmean(r[i].ttft_s for r in results) * 1e3 for i in range(steps)]
     return {"ttft_by_step_ms": by_step, "ttft_later_ms": statistics.fmean(by_step[1:]),
             "computed_later": stats["prompt_tokens_computed"] - first, "ideal_later": ideal,
-            "last_prompt": statistics.fmean(len(r[-1].prompt_ids) for r in results),
+            "last_prompt": statistics.fmean(len(r[-1].prompt_ids) or r[-1].prompt_tokens for r in results),
+            "intake_by_step_ms": intake, "intake_growth": _growth(intake),
             "loaded": stats["prompt_tokens_loaded"], "cached": stats["prompt_tokens_cached"],
             "corrupt": stats["kv_reads_corrupt"], "phases": _phase_means(_delta(before, metrics(url))),
             "plans": sorted({s.plan for r in results for s in r[1:]})}
 
 
+def _growth(per_step: list[float]) -> float:
+    """Mean of the last 5 steps over steps 2-6 (step 1 renders the whole first prompt in every arm)."""
+    later, early = per_step[-5:], per_step[1:6]
+    return statistics.fmean(later) / max(1e-9, statistics.fmean(early)) if early else 0.0
+
+
 def _new(steps: list[StepResult], i: int) -> int:
+    if steps[i].new_tokens >= 0:
+        return steps[i].new_tokens
     held = steps[i - 1].prompt_ids + steps[i - 1].output_ids
     common = min(_common_prefix(steps[i].prompt_ids, held[:len(held) - 1]), len(steps[i].prompt_ids) - 1)
     return len(steps[i].prompt_ids) - common
@@ -140,6 +234,9 @@ def report(arms: dict[str, dict], agents: int, steps: int, wall_s: float) -> tup
             "mean last prompt (tokens)": [f"{a['last_prompt']:.0f}" for a in arms.values()],
             "plans, steps >= 2": [", ".join(a["plans"]) for a in arms.values()],
             "corrupt KV reads": [str(a["corrupt"]) for a in arms.values()],
+            "intake ms, steps 2-6 / last 5 (growth)": [
+                f"{statistics.fmean(a['intake_by_step_ms'][1:6]):.2f} / {statistics.fmean(a['intake_by_step_ms'][-5:]):.2f} "
+                f"({a['intake_growth']:.2f}x)" for a in arms.values()],
             "gateway phases, mean ms": [a["phases"] for a in arms.values()]}
     lines += [f"| {k} | " + " | ".join(v) + " |" for k, v in rows.items()]
     marks = sorted({0, 1, 4, 9, 19, steps - 1} & set(range(steps)))
@@ -147,11 +244,17 @@ def report(arms: dict[str, dict], agents: int, steps: int, wall_s: float) -> tup
               "|---" * (len(names) + 1) + "|"]
     lines += [f"| {i + 1} | " + " | ".join(f"{a['ttft_by_step_ms'][i]:.0f}" for a in arms.values()) + " |"
               for i in marks]
+    lines += ["", "Gateway intake by step (ms, `pdgw_turn_seconds{phase=\"intake\"}` mean over agents, all agents at "
+              "one step at a time):", "", "| step | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    lines += [f"| {i + 1} | " + " | ".join(f"{a['intake_by_step_ms'][i]:.2f}" for a in arms.values()) + " |"
+              for i in marks]
     a = list(arms.values())
     final = (f"agent_loop: ttft_later_ms_generated={a[0]['ttft_later_ms']:.0f} rendered={a[1]['ttft_later_ms']:.0f} "
              f"stateless={a[2]['ttft_later_ms']:.0f} computed_over_ideal_generated="
              f"{a[0]['computed_later'] / max(1, a[0]['ideal_later']):.3f} "
-             f"rendered={a[1]['computed_later'] / max(1, a[1]['ideal_later']):.3f}")
+             f"rendered={a[1]['computed_later'] / max(1, a[1]['ideal_later']):.3f} "
+             f"responses_computed_over_ideal={a[3]['computed_later'] / max(1, a[3]['ideal_later']):.3f} "
+             f"intake_last_over_second_chat={a[0]['intake_growth']:.2f} responses={a[3]['intake_growth']:.2f}")
     return "\n".join(lines) + "\n", final
 
 
@@ -182,7 +285,9 @@ def main(argv: list[str] | None = None) -> str:
                                                 ([p0, p1], [d], ["--history-tokens", "rendered"])])
         arms = {"gateway, history generated": run_arm(generated.url, engines, 2, agents, steps, True),
                 "gateway, history rendered": run_arm(rendered.url, engines, 2, agents, steps, True),
-                "stateless PD (no session)": run_arm(generated.url, engines, 2, agents, steps, False)}
+                "stateless PD (no session)": run_arm(generated.url, engines, 2, agents, steps, False),
+                "Responses API (previous_response_id)": run_arm(generated.url, engines, 2, agents, steps, True,
+                                                                responses=True)}
     text, final = report(arms, agents, steps, time.perf_counter() - began)
     if args.out != "-":
         record(Path(args.out), text)

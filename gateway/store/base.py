@@ -96,6 +96,11 @@ class StoredResponse(msgspec.Struct, kw_only=True):
     created_at: float = 0.0
 
 
+def response_meta(response: StoredResponse) -> StoredResponse:
+    """The response without its bulk: what `get_response(bulk=False)` returns."""
+    return msgspec.structs.replace(response, ids=b"", messages=b"", body=b"")
+
+
 def check_response_id(response_id: object) -> None:
     if not isinstance(response_id, str) or not _RESPONSE_ID_RE.fullmatch(response_id):
         raise ValueError(f"response id must be 1..{MAX_RESPONSE_ID_CHARS} chars of [A-Za-z0-9_-]")
@@ -202,8 +207,10 @@ class ConversationStore(Protocol):
         the caller's (random, unguessable); a tenant never reads or deletes another tenant's responses."""
         ...
 
-    async def get_response(self, tenant: str, response_id: str) -> StoredResponse | None:
-        """The response `put_response` kept under (tenant, response_id), None when unknown or expired."""
+    async def get_response(self, tenant: str, response_id: str, bulk: bool = True) -> StoredResponse | None:
+        """The response `put_response` kept under (tenant, response_id), None when unknown or expired.
+        `bulk=False`: without its ids, messages and body (b""), read at the cost of its small fields alone (a
+        caller that holds the bulk already only needs to know the response still exists)."""
         ...
 
     async def delete_response(self, tenant: str, response_id: str) -> bool:

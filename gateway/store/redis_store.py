@@ -31,6 +31,7 @@ from .base import (
     TurnStart,
     check_key,
     check_response_id,
+    response_meta,
     check_tenant,
     index_hash,
     session_digest,
@@ -209,14 +210,21 @@ class RedisConversationStore:
         return decode_handle(handle) if handle is not None else None
 
     async def put_response(self, tenant: str, response_id: str, response: StoredResponse) -> None:
+        # One hash: its small fields alone (`meta`) beside the whole response, written and given its TTL in one
+        # MULTI (a single key: fine on Cluster too).
         key = response_key(tenant, response_id)
         with _unavailable_on_fault():
-            await self.client.set(key, encode_response(response), px=self._ttl_ms)
+            async with self.client.pipeline(transaction=True) as pipe:
+                pipe.delete(key)
+                pipe.hset(key, mapping={"meta": encode_response(response_meta(response)),
+                                        "whole": encode_response(response)})
+                pipe.pexpire(key, self._ttl_ms)
+                await pipe.execute()
 
-    async def get_response(self, tenant: str, response_id: str) -> StoredResponse | None:
+    async def get_response(self, tenant: str, response_id: str, bulk: bool = True) -> StoredResponse | None:
         key = response_key(tenant, response_id)
         with _unavailable_on_fault():
-            blob = await self.client.get(key)
+            blob = await self.client.hget(key, "whole" if bulk else "meta")
         return decode_response(blob) if blob is not None else None
 
     async def delete_response(self, tenant: str, response_id: str) -> bool:

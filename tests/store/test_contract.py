@@ -363,3 +363,13 @@ async def test_stored_response_expires_with_the_conversation_ttl(make_store: Mak
 async def test_stored_response_ids_are_checked(store: ConversationStore, bad) -> None:
     with pytest.raises(ValueError):
         await store.get_response("acme", bad)
+
+
+async def test_stored_response_without_its_bulk(store: ConversationStore) -> None:
+    from gateway.store.base import response_meta
+
+    await store.put_response("acme", "resp_1", stored_response(3))
+    meta = await store.get_response("acme", "resp_1", bulk=False)
+    assert meta == response_meta(stored_response(3)) and (meta.ids, meta.messages, meta.body) == (b"", b"", b"")
+    assert meta.session == "chain-3" and meta.context == b"c" * 16
+    assert await store.get_response("other", "resp_1", bulk=False) is None

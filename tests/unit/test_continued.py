@@ -109,3 +109,19 @@ def test_a_harness_session_is_one_conversation_per_system_prompt():
 def test_a_session_id_too_long_is_a_400():
     with pytest.raises(InvalidRequestError):
         session_id(Headers({"session_id": "x" * 250}), {}, "X-Session-Id", AGENTS, b"")
+
+
+def test_held_ids_grow_in_place_once_and_branches_copy():
+    from gateway.turns.intake.pieces import HeldIds, TokenIds
+
+    base = TokenIds.joined([TokenIds([1, 2, 3]), [4]])
+    held = HeldIds(base)
+    first = held.extended(TokenIds([5, 6]))
+    assert first is base and list(first) == [1, 2, 3, 4, 5, 6]
+    assert first.as_json == b"[1,2,3,4,5,6]" and first.as_bytes == TokenIds([1, 2, 3, 4, 5, 6]).as_bytes
+    branch = held.extended(TokenIds([9]))                        # the list grew: a branch copies its first 4
+    assert branch is not base and list(branch) == [1, 2, 3, 4, 9] and branch.as_json == b"[1,2,3,4,9]"
+    assert list(base) == [1, 2, 3, 4, 5, 6] and (held.last, len(held)) == (4, 4)
+    stored = TokenIds([7, 8], as_bytes=TokenIds([7, 8]).as_bytes)         # from the store's bytes: no pieces
+    grown = HeldIds(stored).extended(TokenIds([9]))
+    assert grown.as_json == b"[7,8,9]" and grown.as_bytes == TokenIds([7, 8, 9]).as_bytes

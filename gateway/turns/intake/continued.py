@@ -33,11 +33,12 @@ import msgspec
 
 from gateway.errors import InvalidRequestError
 from gateway.turns.intake.intake import Intake
-from gateway.turns.intake.pieces import TokenIds
+from gateway.turns.intake.pieces import HeldIds, TokenIds
 from gateway.turns.intake.request import TurnRequest
 from gateway.turns.intake.tools import check_chat
 
 MARK = "PDGWANSWER7F3A"                          # the stand-in answer: found once in the rendered text
+MAX_PARTS = 64                                   # parts of a conversation's stored messages before they are joined
 _STAND_IN = {"role": "user", "content": "PDGWQUESTION"}
 _encode = msgspec.json.Encoder().encode
 log = logging.getLogger(__name__)
@@ -49,16 +50,17 @@ class Previous:
     response_id: str
     session: str
     model: str
-    ids: TokenIds | None                  # D's tokens after it: prompt + output; None: unknown
-    messages: bytes                       # the conversation so far as chat messages (JSON array), no instructions
+    ids: HeldIds | None                   # D's tokens after it: prompt + output; None: unknown
+    history: tuple[bytes, ...]            # the conversation so far as chat messages, no instructions: the JSON
+                                          # array's items, comma-joined, in parts (one per turn, shared)
     context: bytes                        # `context_of` the turn that made it
 
 
 @dataclass(frozen=True)
 class Thread:
-    """What a Responses turn stores after D's answer: its messages before the answer (the JSON array's items,
-    instructions left out), the digest of its other inputs, and whether it was continued from stored ids."""
-    history: bytes
+    """What a Responses turn stores after D's answer: its messages before the answer (as `Previous.history`),
+    the digest of its other inputs, and whether it was continued from stored ids."""
+    history: tuple[bytes, ...]
     context: bytes
     continued: bool
 
@@ -89,31 +91,35 @@ class Continuation:
         context = context_of(instructions, body)
         head = 1 if instructions else 0
         new = list(body["messages"][head:])
+        items = _items(new)
         if previous is None:                             # a new conversation: a chat turn
-            return self.intake.chat(body, req, request_id), Thread(_items(new), context, False)
-        history = _join(previous.messages[1:-1], _items(new))
+            return self.intake.chat(body, req, request_id), Thread(_parts(items), context, False)
+        history = _parts(*previous.history, items)
         if previous.ids and previous.context == context and self.exact:
-            return self._continued(previous, instructions, {**body, "messages": new}, req, request_id), \
+            return self._continued(previous, instructions, {**body, "messages": new}, items, req, request_id), \
                 Thread(history, context, True)
-        earlier = msgspec.json.decode(previous.messages)
+        earlier = msgspec.json.decode(b"[" + b",".join(previous.history) + b"]")
         whole = {**body, "messages": [*body["messages"][:head], *earlier, *new]}
         return self.intake.chat(whole, req, request_id), Thread(history, context, False)
 
-    def _continued(self, previous: Previous, instructions: str | None, body: dict[str, Any], req: Any,
-                   request_id: str) -> TurnRequest:
+    def _continued(self, previous: Previous, instructions: str | None, body: dict[str, Any], items: bytes,
+                   req: Any, request_id: str) -> TurnRequest:
         intake, messages = self.intake, body["messages"]
         model = intake.model_for(req.model)
         check_chat({**body, "messages": []})            # tools and tool_choice; the calls answered are stored
         _check_results(messages)
-        last = previous.ids[-1] if previous.ids else None
-        text = boundary(self, messages, last, body)
+        text = boundary(self, messages, previous.ids.last, body)
         intake.context.check_text(text, "input")
-        ids = TokenIds.joined([previous.ids, intake.renderer.pieces.encode(text)])
+        new = intake.renderer.pieces.encode(text)
         wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        intake.context.check_tokens(len(ids), wanted, "input")
+        intake.context.check_tokens(len(previous.ids) + len(new), wanted, "input")
+        ids = previous.ids.extended(new)             # the chain's list grows in place: no copy of the history
         turn = intake._turn("/v1/chat/completions", body, req, model, ids, request_id)
+        # The engines still get the whole conversation (for one that renders it itself: P's parity check). As
+        # parts: a list of Raw encodes as their texts joined by commas, a JSON array of the messages, copied
+        # once when the legs' bodies are encoded, never here.
         head = _encode(system_message(instructions))[1:-1]
-        turn.body["messages"] = msgspec.Raw(b"[" + _join(head, previous.messages[1:-1], _items(messages)) + b"]")
+        turn.body["messages"] = [msgspec.Raw(part) for part in _parts(head, *previous.history, items)]
         return turn
 
     def render(self, messages: list[dict[str, Any]], *, tools: Any = None, kwargs: Any = None) -> str:
@@ -180,5 +186,7 @@ def _items(messages: list[dict[str, Any]]) -> bytes:
     return raw[1:-1]
 
 
-def _join(*parts: bytes) -> bytes:
-    return b",".join(p for p in parts if p)
+def _parts(*parts: bytes) -> tuple[bytes, ...]:
+    """Non-empty parts; past MAX_PARTS, joined into one (a long chain copies its history now and then)."""
+    kept = tuple(p for p in parts if p)
+    return (b",".join(kept),) if len(kept) > MAX_PARTS else kept
