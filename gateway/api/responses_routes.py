@@ -35,7 +35,7 @@ _decode = msgspec.json.Decoder().decode
 
 @post("/v1/responses", status_code=200)
 async def create_response(request: Request, gateway: NamedDependency[Gateway]) -> ASGIApp:
-    began = time.perf_counter()
+    arrived = began = time.perf_counter()
     tenant = gateway.api_keys.tenant_for(request.headers.get("authorization"))
     req = api.parse_request(await request.body())
     model = gateway.intake.model_for(req.model)
@@ -50,7 +50,9 @@ async def create_response(request: Request, gateway: NamedDependency[Gateway]) -
     key = ConversationKey(tenant, session) if session else None
     async with gateway.runner.claim_ahead(key) as ahead:
         turn, thread = gateway.continuation.turn(previous, req.instructions, body, parsed, _request_id(request))
-        turn.clock = TurnClock(gateway.metrics.gateway_seconds, began - spent)
+        turn.clock = TurnClock(gateway.metrics.gateway_seconds, arrived)
+        # intake: parse, check, render; the store read of the previous response is not in it (it is `get_response`
+        # in pdgw_store_seconds)
         gateway.metrics.turn_seconds.labels("intake").observe(spent + time.perf_counter() - began)
         captured: list[Any] = []
         turn.on_recorded = captured.append
