@@ -29,6 +29,8 @@ DEFAULT_AGENT_SESSION_HEADERS = ["X-Dynamo-Session-Id", "X-Claude-Code-Session-I
 DEFAULT_DECODER_KV_BLOCKS_TTL_S = 480.0
 DEFAULT_HANDLE_TTL_MARGIN_S = 30.0
 DEFAULT_DECODE_PIN_BUDGET = 0.5
+# The holder D computes a warm turn's new suffix itself up to this many tokens (the local path, issue 24)
+DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 256
 DEFAULT_TENANT = "default"
 ENV_PREFIX = "PDGW_"
 CONFIG_ENV = "PDGW_CONFIG"       # names the settings file when --config is not given
@@ -74,6 +76,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     history_tokens: HistoryTokens = "generated"    # keeps D's KV when answers re-tokenize otherwise (vllm-findings)
     decode_load_bound: PositiveInt = 64            # outstanding requests above which affinity yields
     reuse_policy: ReusePolicy = "cost"             # "cost": send D's handle only where reading beats recomputing
+    local_prefill_max_tokens: Annotated[int, msgspec.Meta(ge=0)] = DEFAULT_LOCAL_PREFILL_MAX_TOKENS  # 0: off
     rate_probe_tokens: Annotated[int, msgspec.Meta(ge=0)] = 8192  # the cost plan's calibration read; 0: no probes
     rate_probe_interval_s: Seconds = 300.0         # ... repeated this often per P-D pair
     prefill_affinity: bool = True                  # prefer the P that prefilled the conversation's last turn

@@ -3,6 +3,7 @@
 
     python3 bench/gpu/client.py correctness --out DIR --model-dir MODEL
     python3 bench/gpu/client.py ttft --out DIR --model-dir MODEL [--lengths 4000,8000,16000,32000] [--reps 2]
+    python3 bench/gpu/client.py itl --out DIR --model-dir MODEL [--local-sizes 256,1024]
 
 correctness: (1) conversations through the gateway (reuse on later turns; every other conversation with a fresh
 `cache_salt` per turn, so P reads the whole history from D instead of its own cache), each turn's first-token
@@ -13,6 +14,8 @@ the whole handle (tail alignment, docs/vllm-findings.md #3: wrong KV) and anothe
 (wrong KV). The wrong ones must be flagged by the measure that passes the gateway's turns.
 ttft: per history length, fresh two-turn conversations in each mode (see MODES); turn 2 is timed, with each
 engine's own counters (tokens computed / read from cache / loaded over NIXL, NIXL bytes and time) beside it.
+itl: D's inter-token latency (p50/p99) of running streams alone, then while local prefills arrive (a prefix D's
+cache holds plus N new tokens, straight at D: what the gateway's local path sends it), per N.
 Stdlib HTTP; transformers only for the word list.
 """
 
@@ -48,6 +51,7 @@ MODES = {
     "coloc_full": ("colocated", False, True),   # one engine alone, full prefill
     "cost_warmP": ("gateway_cost", True, False),  # the cost plan, P's prefix cache holds the last prompt
     "cost_coldP": ("gateway_cost", True, True),   # the cost plan, P's cache misses: read or recompute, per turn
+    "local": ("gateway_local", True, False),    # the local path (default settings): D alone computes the suffix
 }
 
 
@@ -223,7 +227,8 @@ def _count(keys) -> dict[str, int]:
 # ---------------------------------------------------------------------------------------------------------- ttft
 def one_turn(a, mode: str, messages: list[dict], session: str) -> dict[str, Any]:
     target_name, with_session, salted = MODES[mode]
-    target = {"gateway": a.gateway, "gateway_cost": a.gateway_cost, "colocated": a.colocated}[target_name]
+    target = {"gateway": a.gateway, "gateway_cost": a.gateway_cost, "gateway_local": a.gateway_local,
+              "colocated": a.colocated}[target_name]
     through_pd = target_name != "colocated"
     engines = {"P": a.prefill, "D": a.decode} if through_pd else {"C": a.colocated}
     body = {"model": a.model_name, "messages": messages, "max_tokens": a.ttft_answer_tokens, "temperature": 0,
@@ -264,7 +269,8 @@ def conversation(a, words: Words, mode: str, length: int, rep: int) -> list[dict
               + (f" ERR={rec['error'][:200]}" if rec["error"] else ""), flush=True)
         if rec["status"] != 200:
             break
-        messages += [{"role": "assistant", "content": rec.pop("text")}, {"role": "user", "content": words.text(300)}]
+        messages += [{"role": "assistant", "content": rec.pop("text")},
+                     {"role": "user", "content": words.text(a.suffix_words)}]
     return out
 
 
@@ -272,8 +278,8 @@ def ttft(a) -> dict[str, Any]:
     words = Words(a.model_dir, seed=23)
     modes = a.modes.split(",")
     t0 = time.time()
-    for mode in ("reuse_warmP", "coloc_prefix"):             # warm-up: kernels, chunked prefill, NIXL both ways
-        conversation(a, words, mode, min(8000, max(a.lengths)), -1)
+    for mode in ("reuse_warmP", "coloc_prefix", *(["local"] if "local" in modes else [])):   # warm-up: kernels,
+        conversation(a, words, mode, min(8000, max(a.lengths)), -1)           # chunked prefill, NIXL both ways
     records: list[dict] = []
     stopped = False
     for rep in range(a.reps):
@@ -288,6 +294,73 @@ def ttft(a) -> dict[str, Any]:
         r.pop("text", None)
     return {"records": records, "table": table(records), "stopped_by_budget": stopped,
             "seconds": round(time.time() - t0, 1)}
+
+
+# ----------------------------------------------------------------------------------------------------------- itl
+def stream_gaps(a, prompt: list[int], tokens: int) -> list[float]:
+    """One long token-id stream straight at D: the seconds between its chunks."""
+    conn, base = wire._conn(a.decode, 300)
+    body = {"model": a.model_name, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "stream": True,
+            "temperature": 0}
+    stamps = []
+    try:
+        conn.request("POST", base + "/v1/completions", body=json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json"})
+        for line in iter(conn.getresponse().readline, b""):
+            if line.startswith(b"data: {"):
+                stamps.append(time.perf_counter())
+    finally:
+        conn.close()
+    return [b - a_ for a_, b in zip(stamps[2:], stamps[3:])]       # past the stream's own prefill
+
+
+def itl_run(a, words: Words, prefix: list[int], new_tokens: int) -> dict[str, Any]:
+    """STREAMS streams on D; with `new_tokens`, a local prefill (the cached prefix + that many new ids) every
+    `a.local_every_ms` straight at D until the streams end."""
+    import threading
+    gaps: list[float] = []
+    lock = threading.Lock()
+
+    def one() -> None:
+        g = stream_gaps(a, words.token_ids(512), a.stream_tokens)
+        with lock:
+            gaps.extend(g)
+    threads = [threading.Thread(target=one) for _ in range(a.streams)]
+    for t in threads:
+        t.start()
+    prefills = 0
+    time.sleep(0.3)
+    while new_tokens and any(t.is_alive() for t in threads):
+        wire.post(a.decode, "/v1/completions", {"model": a.model_name, "max_tokens": 1, "temperature": 0,
+                                                "prompt": prefix + words.token_ids(new_tokens)})
+        prefills += 1
+        time.sleep(a.local_every_ms / 1e3)
+    for t in threads:
+        t.join()
+    gaps.sort()
+    def pick(q: float) -> float | None:
+        return round(gaps[min(len(gaps) - 1, int(q / 100 * len(gaps)))] * 1e3, 2) if gaps else None
+    return {"new_tokens": new_tokens, "prefills": prefills, "gaps": len(gaps), "p50_ms": pick(50),
+            "p90_ms": pick(90), "p99_ms": pick(99)}
+
+
+def itl(a) -> dict[str, Any]:
+    words = Words(a.model_dir, seed=29)
+    prefix = words.token_ids(4000)
+    wire.post(a.decode, "/v1/completions", {"model": a.model_name, "prompt": prefix, "max_tokens": 1})   # cached
+    rows = []
+    for rep in range(a.reps):
+        for n in [0, *a.local_sizes]:           # alone, then with local prefills of each size: taking turns
+            row = itl_run(a, words, prefix, n)
+            row["rep"] = rep
+            rows.append(row)
+            print(f"itl r{rep} local prefills of {n:>5} tokens: {row}", flush=True)
+    summary = {}
+    for n in [0, *a.local_sizes]:
+        mine = [r for r in rows if r["new_tokens"] == n]
+        summary[str(n)] = {k: statistics.median(r[k] for r in mine) for k in ("p50_ms", "p90_ms", "p99_ms", "prefills")}
+    return {"rows": rows, "table": summary, "streams": a.streams, "stream_tokens": a.stream_tokens,
+            "every_ms": a.local_every_ms, "summary": summary}
 
 
 def table(records: list[dict]) -> dict[str, dict[str, Any]]:
@@ -319,12 +392,18 @@ def table(records: list[dict]) -> dict[str, dict[str, Any]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["correctness", "ttft"])
+    ap.add_argument("what", choices=["correctness", "ttft", "itl"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--model-dir", required=True, help="the served model's folder (its tokenizer)")
     ap.add_argument("--model-name", default="pdgw-bench")
     ap.add_argument("--gateway", default="http://127.0.0.1:8000")
     ap.add_argument("--gateway-cost", default="http://127.0.0.1:8001")
+    ap.add_argument("--gateway-local", default="http://127.0.0.1:8002")
+    ap.add_argument("--suffix-words", type=int, default=300, help="turn 2's new user message, in one-token words")
+    ap.add_argument("--local-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[256, 1024])
+    ap.add_argument("--local-every-ms", type=float, default=100)
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--stream-tokens", type=int, default=300)
     ap.add_argument("--prefill", default="http://127.0.0.1:8100")
     ap.add_argument("--decode", default="http://127.0.0.1:8200")
     ap.add_argument("--colocated", default="http://127.0.0.1:8300")
@@ -340,7 +419,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=420)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    res = correctness(a) if a.what == "correctness" else ttft(a)
+    res = {"correctness": correctness, "ttft": ttft, "itl": itl}[a.what](a)
     with open(os.path.join(a.out, f"{a.what}.json"), "w") as f:
         json.dump(res, f, indent=1)
     brief = res.get("summary") or {m: {L: r["ttft_ms"] for L, r in rows.items()} for m, rows in res["table"].items()}

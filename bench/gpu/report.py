@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.gpu import logprob_distance as lp  # noqa: E402
 
-MODE_ORDER = ["reuse_warmP", "reuse_coldP", "full_warmP", "full_coldP", "coloc_prefix", "coloc_full", "cost_warmP",
+MODE_ORDER = ["local", "reuse_warmP", "reuse_coldP", "full_warmP", "full_coldP", "coloc_prefix", "coloc_full", "cost_warmP",
               "cost_coldP"]
 # the cost plan against both fixed policies with P's cache in the same state: (cost, always, stateless)
 COST_PAIRS = [("cost_coldP", "reuse_coldP", "full_coldP"), ("cost_warmP", "reuse_warmP", "full_warmP")]
@@ -156,6 +156,48 @@ def compare_md(runs: list[tuple[str, dict, dict | None]], prefill_rate: float | 
     return out
 
 
+def local_md(ttft: dict, itl: dict | None, env: dict | None) -> list[str]:
+    """The local path (issue 24): later-turn TTFT against one engine with its prefix cache, the P path and
+    stateless PD, with D's counters; D's inter-token latency under local prefills."""
+    t = ttft["table"]
+    if "local" not in t:
+        return []
+    out = ["## Warm turns the short way: the local path", "",
+           "Turn 2 with a short new user message, through the gateway with its defaults (`local`: D alone computes "
+           "the new suffix from its own prefix cache) against one engine with its prefix cache (`coloc_prefix`), "
+           "the P path (`reuse_warmP`: P reads what its cache lacks from D, D reads P's new blocks) and stateless PD "
+           "(`full_warmP`: P's prefix cache holds the last prompt; `full_coldP`: it does not)"
+           + (f"; transport `{env.get('transport')}`" if env else "") + ". Medians (ms):", "",
+           "| history | local | coloc_prefix | reuse_warmP | full_warmP | full_coldP | local / coloc_prefix | "
+           "full_warmP / local | full_coldP / local | local: D comp / hit / loaded | local plans |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for L in sorted(t["local"], key=int):
+        row = {m: t.get(m, {}).get(L) for m in ("local", "coloc_prefix", "reuse_warmP", "full_warmP", "full_coldP")}
+        ms = {m: r and r["ttft_ms"] for m, r in row.items()}
+        local = ms["local"]
+
+        def ratio(a: float | None, b: float | None) -> str:
+            return _num(a / b, 2) if a and b else "-"
+        plans = ", ".join(f"{k} x{n}" for k, n in (row["local"].get("plans") or {}).items()) or "-"
+        out.append(f"| {int(row['local']['prompt_tokens'])} | " + " | ".join(_num(ms[m], 1) for m in row) +
+                   f" | {ratio(local, ms['coloc_prefix'])} | {ratio(ms['full_warmP'], local)} | "
+                   f"{ratio(ms['full_coldP'], local)} | {_eng(row['local'], 'D')} | {plans} |")
+    out.append("")
+    if itl:
+        alone = itl["table"].get("0", {})
+        out += [f"D's inter-token latency: {itl['streams']} streams of {itl['stream_tokens']} tokens straight at D, "
+                f"alone and while a local prefill (a 4k-token prefix D's cache holds + N new tokens) arrives every "
+                f"{itl['every_ms']:.0f} ms; medians of the repetitions' percentiles (ms):", "",
+                "| local prefills | p50 | p90 | p99 | p99 / alone | prefills sent |", "|---|---|---|---|---|---|"]
+        for n, r in sorted(itl["table"].items(), key=lambda kv: int(kv[0])):
+            label = "none" if n == "0" else f"{n} new tokens"
+            out.append(f"| {label} | {_num(r['p50_ms'], 2)} | {_num(r['p90_ms'], 2)} | {_num(r['p99_ms'], 2)} | "
+                       f"{_num(r['p99_ms'] / alone['p99_ms'], 2) if alone.get('p99_ms') else '-'} | "
+                       f"{r['prefills']:.0f} |")
+        out.append("")
+    return out
+
+
 def rates(res: dict) -> dict[str, float]:
     """What a cost model needs, from one run: KV bytes per token, NIXL's rate when P reads D (reuse_coldP) and
     when D reads P (full_coldP), from vLLM's own nixl_bytes_transferred / nixl_xfer_time; the co-located
@@ -278,6 +320,7 @@ def main() -> None:
     ap.add_argument("--notes", type=Path, help="hand-written Markdown placed under the title (findings)")
     ap.add_argument("--correctness", type=Path, help="the folder whose correctness.json to show (default: --results)")
     ap.add_argument("--transport", type=Path, help="the folder whose transport.json to show (default: --results)")
+    ap.add_argument("--local", type=Path, help="a run's folder with the local path's ttft.json and itl.json")
     ap.add_argument("--md", default="bench/GPU-RESULTS.md")
     ap.add_argument("--png", default="bench/gpu-results.png")
     a = ap.parse_args()
@@ -295,6 +338,8 @@ def main() -> None:
         lines += [f"Main run ({a.label}): " + "; ".join(f"{k}: {v}" for k, v in env.items()), ""]
     if plot(ttft, corr, runs, a.png, a.label):
         lines += [f"![TTFT by history length and KV correctness]({os.path.basename(a.png)})", ""]
+    if a.local and load(a.local, "ttft.json"):
+        lines += local_md(load(a.local, "ttft.json"), load(a.local, "itl.json"), load(a.local, "env.json"))
     if transport:
         lines += transport_md(transport)
     if corr:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU bench, end to end, from the repository root on a host with a GPU, vLLM >= 0.25 and NIXL:
-#   bash bench/gpu/run.sh            # = model transport serve correctness ttft report stop
+#   bash bench/gpu/run.sh            # = model transport serve correctness ttft itl report stop
 #   bash bench/gpu/run.sh serve ttft # only these steps, in this order
 # Steps:
 #   model        build the random-weight model (bench/gpu/make_model.py) into $MODEL unless it is there
@@ -8,11 +8,13 @@
 #   serve        P, D, C and the gateway (bench/gpu/serve.sh); TRANSPORT=auto picks the fastest transport
 #                that transport.json shows moving the bytes correctly
 #   correctness  log-prob distance through the gateway, noise floor, controls -> $OUT/correctness.json
-#   ttft         TTFT by history length in six modes -> $OUT/ttft.json
+#   ttft         TTFT by history length in each mode (MODES) -> $OUT/ttft.json
+#   itl          D's inter-token latency of running streams, alone and under local prefills -> $OUT/itl.json
 #   report       bench/GPU-RESULTS.md and bench/gpu-results.png from $OUT
 #   stop         end what serve started
 # Environment: MODEL (/tmp/pdgw-bench-model), MODEL_SIZE (3b), OUT (bench/gpu-out), TRANSPORT (auto),
-# LENGTHS (4000,8000,16000,32000), REPS (2), TTFT_BUDGET_S (420), PY (python3: torch, transformers, matplotlib),
+# LENGTHS (4000,8000,16000,32000), REPS (2), TTFT_BUDGET_S (420), MODES (all), SUFFIX_WORDS (300: turn 2's new
+# user message), LOCAL_SIZES (256,1024), PY (python3: torch, transformers, matplotlib),
 # and serve.sh's settings (VLLM_PY, GW_PY, VLLM_PATH, GW_PATH, KV_GIB, P_GPU, D_GPU, C_GPU, ...).
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -76,18 +78,25 @@ step_correctness() {
 step_ttft() {
   say "ttft: lengths ${LENGTHS:-4000,8000,16000,32000}, reps ${REPS:-2}"
   timeout $(( ${TTFT_BUDGET_S:-420} + 240 )) "$PY" "$HERE/client.py" ttft --out "$OUT" --model-dir "$MODEL" \
-    --lengths "${LENGTHS:-4000,8000,16000,32000}" --reps "${REPS:-2}" --budget-s "${TTFT_BUDGET_S:-420}"
+    --lengths "${LENGTHS:-4000,8000,16000,32000}" --reps "${REPS:-2}" --budget-s "${TTFT_BUDGET_S:-420}" \
+    ${MODES:+--modes $MODES} --suffix-words "${SUFFIX_WORDS:-300}"
+}
+
+step_itl() {
+  say "itl: local prefills of ${LOCAL_SIZES:-256,1024} tokens"
+  timeout 300 "$PY" "$HERE/client.py" itl --out "$OUT" --model-dir "$MODEL" --local-sizes "${LOCAL_SIZES:-256,1024}" \
+    --reps "${ITL_REPS:-2}"
 }
 
 step_report() {
-  "$PY" "$HERE/report.py" --results "$OUT" --md "${REPORT_MD:-$ROOT/bench/GPU-RESULTS.md}" \
+  "$PY" "$HERE/report.py" --results "$OUT" --md "${REPORT_MD:-$ROOT/bench/GPU-RESULTS.md}" ${LOCAL_RUN:+--local $LOCAL_RUN} \
     --png "${REPORT_PNG:-$ROOT/bench/gpu-results.png}"
 }
 
 step_stop() { bash "$HERE/serve.sh" stop; }
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(model transport serve correctness ttft report stop)
+[ ${#steps[@]} -eq 0 ] && steps=(model transport serve correctness ttft itl report stop)
 for s in "${steps[@]}"; do
   declare -F "step_$s" > /dev/null || { echo "unknown step $s"; exit 2; }
   "step_$s"

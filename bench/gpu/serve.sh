@@ -3,8 +3,10 @@
 #   P  vLLM kv_producer  :8100 (NIXL side channel :5600)      D  vLLM kv_consumer :8200 (:5700)
 #   C  vLLM alone (no connector, prefix caching on) :8300     G  pd-gateway :8000 in front of P and D
 #   G2 a second pd-gateway :8001 in front of the same P and D, with the cost plan (`--reuse-policy cost`);
-#      G reads D's KV on every continuous turn (`--reuse-policy always`); both find conversations by session id
-#      only, so the stateless modes (no session id) stay stateless
+#      G reads D's KV on every continuous turn (`--reuse-policy always`); both with the local path off, so
+#      their later turns take the P path;
+#   G3 a third, :8002, with the product's defaults (the cost plan and the local path: D alone computes a short
+#      suffix); all find conversations by session id only, so the stateless modes (no session id) stay stateless
 # and wait until all four answer /health. `bash bench/gpu/serve.sh stop` ends them (by their pid files).
 #
 #   MODEL=/path/to/model bash bench/gpu/serve.sh
@@ -27,10 +29,10 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 RUN=${RUN:-/tmp/pdgw-gpu}
 mkdir -p "$RUN"
-declare -A PORT=([P]=8100 [D]=8200 [C]=8300 [G]=8000 [G2]=8001)
+declare -A PORT=([P]=8100 [D]=8200 [C]=8300 [G]=8000 [G2]=8001 [G3]=8002)
 
 if [ "${1:-}" = stop ]; then
-  for n in G G2 P D C; do [ -f "$RUN/$n.pid" ] && kill "$(cat "$RUN/$n.pid")" 2>/dev/null && echo "stopped $n"; done
+  for n in G G2 G3 P D C; do [ -f "$RUN/$n.pid" ] && kill "$(cat "$RUN/$n.pid")" 2>/dev/null && echo "stopped $n"; done
   exit 0
 fi
 : "${MODEL:?set MODEL to the model folder}"
@@ -93,17 +95,20 @@ done
 echo "[$(( $(date +%s) - t0 ))s] engines up: $up"
 [ "$up" = PDC ] || { for n in P D C; do echo "== $n"; tail -20 "$RUN/$n.log"; done; exit 1; }
 
-start_gateway() {  # name reuse_policy
-  local port=${PORT[$1]}
+start_gateway() {  # name reuse_policy [flags...]
+  local port=${PORT[$1]} name=$1 policy=$2
+  shift 2
   curl -sf -m 2 "http://127.0.0.1:$port/health" > /dev/null && return
   ( cd "$ROOT" && export PYTHONPATH="${GW_PATH:+$GW_PATH:}$ROOT"
     setsid "$GW_PY" -m gateway serve --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 \
       --tokenizer "$MODEL" --host 127.0.0.1 --port "$port" --decoder-kv-blocks-ttl-s "$TTL_S" \
-      --health-interval-s 2 --reuse-policy "$2" --conversation-lookup session < /dev/null > "$RUN/$1.log" 2>&1 & echo $! > "$RUN/$1.pid" )
+      --health-interval-s 2 --reuse-policy "$policy" --conversation-lookup session "$@" < /dev/null \
+      > "$RUN/$name.log" 2>&1 & echo $! > "$RUN/$name.pid" )
 }
-start_gateway G always
-start_gateway G2 cost
-for n in G G2; do
+start_gateway G always --local-prefill-max-tokens 0
+start_gateway G2 cost --local-prefill-max-tokens 0
+start_gateway G3 cost
+for n in G G2 G3; do
   for i in $(seq 1 60); do curl -sf -m 2 "http://127.0.0.1:${PORT[$n]}/health" > /dev/null && break; sleep 1; done
   echo "[$(( $(date +%s) - t0 ))s] gateway $n: $(curl -s -m 2 "http://127.0.0.1:${PORT[$n]}/health")"
 done

@@ -85,6 +85,12 @@ def leg_params(handle: Handle | None, pinned_ids: bytes | None = None) -> dict[s
     return params
 
 
+def local_params(pinned_ids: bytes | None = None) -> dict[str, Any]:
+    """The holder D on the local path: it computes the prompt itself (its prefix cache holds the verified history)
+    and, asked as P is asked on a first turn, holds the result behind a handle for a later reader (§9)."""
+    return leg_params(None, pinned_ids)
+
+
 def decode_params(prefill_handle: Handle | None, pinned_ids: bytes | None = None) -> dict[str, Any]:
     """D's leg reads P's handle; without one (P gave none) D simply prefills itself (§3)."""
     params = dict(prefill_handle.wire) if prefill_handle is not None else {}

@@ -4,7 +4,6 @@ preempted by recompute, as vLLM does). Works on its engine's current pool and co
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Protocol
 
@@ -12,11 +11,13 @@ from gateway.sim.blocks import BlockPool, PoolExhaustedError
 from gateway.sim.request import EngineRequest
 from gateway.sim.settings import SimSettings
 from gateway.sim.stats import SimStats
+from gateway.sim.steps import Steps
 from gateway.sim.waiting import BlockQueue, Grant
 
 
 class Allocates(Protocol):
     settings: SimSettings
+    steps: Steps
     pool: BlockPool
     block_queue: BlockQueue
     stats: SimStats
@@ -54,8 +55,7 @@ class Allocator:
                 if i < len(hashes):
                     self.engine.pool.commit(table[i], hashes[i])
             self.engine.stats.prompt_tokens_computed += recomputed
-            if self.engine.settings.prefill_ms_per_token and recomputed:
-                await asyncio.sleep(recomputed * self.engine.settings.prefill_ms_per_token / 1000)
+            await self.engine.steps.compute(recomputed)
         except BaseException:
             self.engine.pool.release(table)
             raise

@@ -5,10 +5,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, AsyncIterator
+from typing import Annotated, Any, AsyncIterator, Awaitable
 
 import msgspec
 from litestar import Litestar, MediaType, Request, Response, get, post
@@ -16,8 +18,9 @@ from litestar.response import Stream
 
 from gateway.sim import wire
 from gateway.sim.engine import Engine
-from gateway.sim.reading import KVLoadParked
+from gateway.sim.failures import KVLoadParked
 from gateway.sim.metrics import render_metrics
+from gateway.sim.push import push_routes
 from gateway.sim.render import Renderer, RenderError
 from gateway.sim.serving import Serving, SimRequestError
 from gateway.sim.settings import SimSettings
@@ -46,11 +49,31 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
+async def _unless_client_leaves(request: Request, work: Awaitable[Any]) -> Any:
+    """vLLM aborts a non-streamed request whose client goes away (`with_cancellation`,
+    entrypoints/serve/utils/api_utils.py:51): `work` is cancelled then, and None returned."""
+    task, gone = asyncio.ensure_future(work), asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
 class ResetRequest(msgspec.Struct):
     num_blocks: Annotated[int, msgspec.Meta(ge=1)] | None = None  # resize the KV pool (benchmark sweeps)
 
 
-TIMING_FIELDS = ("prefill_ms_per_token", "decode_ms_per_token", "transfer_ms_per_block")
+TIMING_FIELDS = ("prefill_ms_per_token", "decode_ms_per_token", "transfer_ms_per_block", "transfer_ms_per_read",
+                 "batched_steps")
 
 
 def create_sim_app(settings: SimSettings) -> Litestar:
@@ -73,7 +96,8 @@ def create_sim_app(settings: SimSettings) -> Litestar:
         if call.body.stream:
             return Stream(serving.stream(call), media_type="text/event-stream", status_code=200)
         try:
-            return _json(await serving.respond(call))
+            answer = await _unless_client_leaves(request, serving.respond(call))
+            return Response(content=b"", status_code=499) if answer is None else _json(answer)
         except KVLoadParked:
             return await _park(request)    # a declined read under `recompute` is never rescheduled
 
@@ -125,16 +149,18 @@ def create_sim_app(settings: SimSettings) -> Litestar:
 
     @get("/server_info")
     async def server_info() -> Response:
-        """vLLM's dev-mode /server_info?config_format=json, reduced to the KV-transfer and cache config."""
-        kv = None if not settings.has_connector else {
-            "kv_connector": "NixlConnector", "engine_id": settings.engine_id,
-            "kv_role": "kv_producer" if settings.role == "prefill" else "kv_consumer",
-            "kv_load_failure_policy": settings.kv_load_failure_policy,
-            "kv_connector_extra_config": {"bidirectional_kv_xfer": settings.bidirectional,
-                                          "kv_lease_duration": settings.kv_lease_duration,
-                                          "decoder_kv_blocks_ttl": settings.decoder_kv_blocks_ttl}}
-        return _json({"vllm_config": {"kv_transfer_config": kv,
-                                      "cache_config": {"block_size": settings.block_size}}})
+        """vLLM's dev-mode /server_info?config_format=json, reduced to the KV-transfer and cache config. The
+        connector's name says the transfer mode (docs/protocol.md §8.5)."""
+        s = engine.settings
+        extra: dict[str, Any] = {"bidirectional_kv_xfer": s.bidirectional, "kv_lease_duration": s.kv_lease_duration,
+                                 "decoder_kv_blocks_ttl": s.decoder_kv_blocks_ttl}
+        if s.transfer_mode == "push":
+            extra["push_registration_timeout"] = s.registration_timeout
+        kv = None if not s.has_connector else {
+            "kv_connector": "NixlPushConnector" if s.transfer_mode == "push" else "NixlConnector",
+            "engine_id": s.engine_id, "kv_role": "kv_producer" if s.role == "prefill" else "kv_consumer",
+            "kv_load_failure_policy": s.kv_load_failure_policy, "kv_connector_extra_config": extra}
+        return _json({"vllm_config": {"kv_transfer_config": kv, "cache_config": {"block_size": s.block_size}}})
 
     @get("/metrics")
     async def metrics() -> Response:
@@ -147,7 +173,10 @@ def create_sim_app(settings: SimSettings) -> Litestar:
                       **msgspec.structs.asdict(engine.stats), "handles_pinned": engine.handles.count("pin"),
                       "handles_leased_now": engine.handles.count("lease"), "blocks_in_use": engine.pool.in_use,
                       "blocks_cached": len(engine.pool.cached), "running": engine.running,
-                      "waiting": engine.waiting})
+                      "waiting": engine.waiting, "push_registrations_pending": len(engine.push_sender.pending),
+                      "push_blocks_staged": len(engine.push_sender.staged),
+                      "push_waiting": len(engine.push_receiver.waiting) - engine.push_receiver.orphans,
+                      "push_orphans": engine.push_receiver.orphans})
 
     @post("/sim/reset", status_code=200)
     async def reset(request: Request) -> Response:
@@ -161,8 +190,10 @@ def create_sim_app(settings: SimSettings) -> Litestar:
     @post("/sim/kv/read", status_code=200)
     async def kv_read(request: Request) -> Response:
         body = msgspec.json.decode(await request.body(), type=KVReadRequest)
-        if body.engine_id != settings.engine_id or body.block_size != settings.block_size:
-            return _json(wire.error_body("handshake refused: engine id or block size mismatch", 400), 409)
+        if (body.engine_id != settings.engine_id or body.block_size != settings.block_size
+                or engine.settings.transfer_mode != "pull"):  # the mode is in NIXL's compatibility hash
+            return _json(wire.error_body("handshake refused: engine id, block size or transfer mode mismatch",
+                                         400), 409)
         if any(not 0 <= i < engine.settings.num_blocks for i in body.block_ids):
             return _json(wire.error_body("block id out of range", 400), 400)
         blocks = [list(engine.pool.blocks[i].slots) for i in body.block_ids]  # copied before they are freed
@@ -194,6 +225,6 @@ def create_sim_app(settings: SimSettings) -> Litestar:
 
     return Litestar(
         route_handlers=[chat, completions, tokenize, models, health, version, server_info, metrics, stats,
-                        reset, timing, kv_read, kv_notify, kv_heartbeat],
+                        reset, timing, kv_read, kv_notify, kv_heartbeat, *push_routes(engine)],
         lifespan=[lifespan], exception_handlers={Exception: _error}, request_max_body_size=MAX_BODY_BYTES,
         openapi_config=None)

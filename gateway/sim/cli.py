@@ -11,7 +11,8 @@ from pathlib import Path
 import uvicorn
 
 from gateway.sim.app import create_sim_app
-from gateway.sim.settings import (DEFAULT_BLOCK_SIZE, DEFAULT_LEASE_S, DEFAULT_MAX_MODEL_LEN, DEFAULT_NUM_BLOCKS,
+from gateway.sim.settings import (DEFAULT_BLOCK_SIZE, DEFAULT_LEASE_S, DEFAULT_MAX_MODEL_LEN,
+                                  DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_NUM_BLOCKS,
                                   DEFAULT_PIN_TTL_S, DEFAULT_VERSION, EXPIRY_MARGIN_S, SimSettings)
 
 ROLES = {"prefill": "prefill", "decode": "decode", "colocated": "colocated",
@@ -54,8 +55,20 @@ def parser() -> argparse.ArgumentParser:
     a("--no-prompt-token-ids", action="store_true", help="ignore kv_transfer_params.prompt_token_ids (< 0.32)")
     a("--prefill-ms-per-token", type=float, default=0.0)
     a("--decode-ms-per-token", type=float, default=0.0)
-    a("--transfer-ms-per-block", type=float, default=0.0)
+    a("--transfer-ms-per-block", type=float, default=0.0,
+      help="KV transfer time per block, paid by D's read (pull) or P's write (push)")
+    a("--kv-transfer-mode", choices=["pull", "push"], default="pull",
+      help="pull: NixlConnector; push: NixlPushConnector (needs --no-bidirectional), docs/protocol.md §8")
+    a("--push-registration-timeout", type=float, default=None,
+      help="D's soft watchdog on a push registration (default: --decoder-kv-blocks-ttl); it only logs")
+    a("--push-fault", choices=["none", "fail-prefill", "never-write"], default="none",
+      help="push-mode P: its P legs fail with HTTP 500, or it answers but never writes into D's blocks")
+    a("--transfer-ms-per-read", type=float, default=0.0,
+      help="a KV read's fixed part (on an H200 D's leg after P took 50-73 ms: bench/GPU-RESULTS.md)")
     a("--max-num-seqs", type=int, default=256)
+    a("--batched-steps", action="store_true",
+      help="running requests share the engine's steps: a prefill lengthens the steps other streams decode in")
+    a("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
     a("--output-tokens", type=_range, default=(8, 40), help="natural answer length MIN:MAX tokens")
     a("--enable-auto-tool-choice", action="store_true", help="let the model call tools (tool_choice auto)")
     a("--tool-call-parser", choices=["hermes"], default=None, help="how tool calls are parsed (vLLM's hermes)")
@@ -79,16 +92,25 @@ def settings_from(args: argparse.Namespace, port: int) -> SimSettings:
         canonical=not args.non_canonical, reasoning=args.reasoning,
         honour_prompt_token_ids=not args.no_prompt_token_ids, prefill_ms_per_token=args.prefill_ms_per_token,
         decode_ms_per_token=args.decode_ms_per_token, transfer_ms_per_block=args.transfer_ms_per_block,
+        transfer_ms_per_read=args.transfer_ms_per_read,
         max_num_seqs=args.max_num_seqs, output_tokens=args.output_tokens, version=args.version,
+        batched_steps=args.batched_steps, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-        tool_call_rate=args.tool_call_rate, tool_call_style=args.tool_call_style)
+        tool_call_rate=args.tool_call_rate, tool_call_style=args.tool_call_style,
+        transfer_mode=args.kv_transfer_mode, push_registration_timeout=args.push_registration_timeout,
+        push_fault=args.push_fault)
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    cli = parser()
+    args = cli.parse_args(argv)
     # Bind first: the handles advertise the real port, and tests read it back from --port-file.
     sock = bind(args.host, args.port)
-    settings = settings_from(args, sock.getsockname()[1])
+    try:
+        settings = settings_from(args, sock.getsockname()[1])
+    except ValueError as exc:  # settings vLLM refuses at start-up (e.g. push with bidirectional transfer)
+        sock.close()
+        cli.error(str(exc))
     app = create_sim_app(settings)
     config = uvicorn.Config(app, log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)

@@ -1,8 +1,9 @@
 """One simulated vLLM engine: queueing, prefix cache, KV loads from a holder, decode, and the end of a request.
 
-A request's life: `admit` (queue for a running slot, then prefill: local cache hit, KV read from the
-holder named in `kv_transfer_params`, local compute of the rest, oracle check), `decode` (the answer's
-tokens, timed), then exactly one of `finish` (lease or pin the blocks and return a handle) or `abort`.
+A request's life: `admit` (queue for a running slot, then prefill: local cache hit, KV read from the holder named
+in `kv_transfer_params` (reading.py) or in push mode written by P (push.py), local compute of the rest, oracle
+check), `decode` (the answer's tokens, timed), then exactly one of `finish` (lease or pin the blocks and return a
+handle: holding.py) or `abort`.
 """
 
 from __future__ import annotations
@@ -15,15 +16,18 @@ import msgspec
 
 from gateway.sim.allocation import Allocator
 from gateway.sim.blocks import BlockPool, Slot, block_hashes
+from gateway.sim.failures import RequestFailed
 from gateway.sim.generate import Model, context_digest
 from gateway.sim.handles import HandleTable
 from gateway.sim.holding import Holding
 from gateway.sim.kvload import KVSource, parks
+from gateway.sim.push import PushReceiver, PushSender
 from gateway.sim.reading import KVReader
 from gateway.sim.render import Renderer
 from gateway.sim.request import EngineRequest, Running
 from gateway.sim.settings import SimSettings
 from gateway.sim.stats import SimStats
+from gateway.sim.steps import Steps
 from gateway.sim.transfer import KVClient
 from gateway.sim.waiting import BlockQueue
 
@@ -43,8 +47,11 @@ class Engine:
                            tool_call_style=settings.tool_call_style)
         self.kv = KVClient(settings.engine_id, settings.block_size)
         self.reader = KVReader(self)
+        self.push_sender = PushSender(self)
+        self.push_receiver = PushReceiver(self)
         self.allocator = Allocator(self)
         self.holding = Holding(self)
+        self.steps = Steps(self)
         self.running = 0
         self.waiting = 0
         self._seats = asyncio.Semaphore(settings.max_num_seqs)
@@ -66,6 +73,8 @@ class Engine:
         """Forget handles, cache and counters; with `num_blocks`, also resize the KV pool (benchmarks sweep it).
         Only between runs: a request in flight would keep blocks of the old pool."""
         self.handles.clear()
+        self.push_sender.clear()
+        self.push_receiver.clear()
         self.pool.reset_cache()
         self.stats = SimStats()
         if num_blocks is not None and num_blocks != self.settings.num_blocks:
@@ -86,9 +95,10 @@ class Engine:
         self.stats.requests_total += 1
         source = self.source(req.kv_params)
         beats = None
-        if source is not None and source.heartbeat:
-            self._spawn(self.reader.heartbeat(source))  # on arrival, then while queued
-            beats = asyncio.create_task(self.reader.heartbeats(source))
+        beat = source.holder if source and source.heartbeat else self.push_receiver.heartbeat_target(req.kv_params)
+        if beat is not None:
+            self.spawn(self.reader.heartbeat(beat))  # on arrival, then while queued
+            beats = asyncio.create_task(self.reader.heartbeats(beat))
         self.waiting += 1
         try:
             await self._seats.acquire()
@@ -96,14 +106,18 @@ class Engine:
             if beats is not None:
                 beats.cancel()
             if source is not None:  # dropped before reading: tell the holder to free its blocks
-                self._spawn(self.reader.notify(source))
+                self.spawn(self.reader.notify(source))
             raise
         finally:
             self.waiting -= 1
         self.running += 1
         try:
             # Heartbeats go on until the KV has been read: waiting for free blocks is waiting too.
-            return await self._prefill(req, source)
+            run = await self._prefill(req, source)
+            if self.push_sender.fails(req.kv_params):  # --push-fault fail-prefill: P's leg ends in an error
+                self.pool.release(run.table)
+                raise RequestFailed("injected push-mode prefill failure")
+            return run
         except BaseException:
             self._leave(failed=True)
             raise
@@ -113,8 +127,7 @@ class Engine:
 
     async def decode(self, run: Running) -> AsyncIterator[int]:
         for token in run.answer.token_ids:
-            if self.settings.decode_ms_per_token:
-                await asyncio.sleep(self.settings.decode_ms_per_token / 1000)
+            await self.steps.token()
             self.stats.generation_tokens += 1
             yield token
 
@@ -139,8 +152,10 @@ class Engine:
         table, num_hits = await self.allocator.allocate(prompt, hashes)
         hits = table[:num_hits]
         cached = num_hits * bs
+        push = self.push_receiver
         try:
-            loaded = await self.reader.load(len(prompt), source, cached)
+            loaded = await (push.receive(req, table, num_hits) if push.takes(req.kv_params)
+                            else self.reader.load(len(prompt), source, cached))
         except BaseException:
             self.pool.release(table)
             raise
@@ -152,8 +167,11 @@ class Engine:
         self.stats.prompt_tokens_cached += cached
         self.stats.prompt_tokens_loaded += len(loaded)
         self.stats.prompt_tokens_computed += computed
-        if self.settings.prefill_ms_per_token and computed:
-            await asyncio.sleep(computed * self.settings.prefill_ms_per_token / 1000)
+        try:  # an abort mid-prefill (the client left) frees the prompt's blocks
+            await self.steps.compute(computed)
+        except BaseException:
+            self.pool.release(table)
+            raise
         slots = self._check(prompt, table)
         answer = self.model.answer(context_digest(slots), seed=req.seed, max_tokens=req.max_tokens,
                                    min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop=req.stop,
@@ -179,7 +197,7 @@ class Engine:
         self.stats.requests_failed += failed
         self.stats.requests_aborted += aborted
 
-    def _spawn(self, coro: Any) -> None:
+    def spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)  # keep a reference until done
         task.add_done_callback(self._tasks.discard)

@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 from gateway.sim.blocks import BlockPool, block_hashes
 from gateway.sim.handles import HandleTable
+from gateway.sim.push import PushSender
 from gateway.sim.request import Running
 from gateway.sim.settings import SimSettings
 from gateway.sim.stats import SimStats
@@ -16,6 +17,7 @@ from gateway.sim.stats import SimStats
 class Holds(Protocol):
     """What the end of a request uses of its engine, read afresh on every call (a reset swaps them)."""
     settings: SimSettings
+    push_sender: PushSender
     pool: BlockPool
     handles: HandleTable
     stats: SimStats
@@ -35,7 +37,9 @@ class Holding:
             e.pool.release(run.table)
             return None
         if s.role == "prefill" and params and params.get("do_remote_decode"):
-            return self._hold(run, len(prompt), s.kv_lease_duration, "lease")
+            handle = self._hold(run, len(prompt), s.kv_lease_duration, "lease")
+            e.push_sender.finished(run.req.request_id, handle["remote_block_ids"][0])  # push mode only
+            return handle
         if s.role == "decode" and s.bidirectional and params is not None:
             return self._hold(run, kv_len, s.decoder_kv_blocks_ttl, "pin")
         e.pool.release(run.table)
@@ -71,7 +75,7 @@ class Holding:
         if kind == "lease":
             e.stats.handles_leased += 1
             return {"do_remote_prefill": True, "do_remote_decode": False, **common,
-                    "remote_prefill_cached_tokens": run.num_hits * bs, "transfer_mode": "pull"}
+                    "remote_prefill_cached_tokens": run.num_hits * bs, "transfer_mode": s.transfer_mode}
         e.stats.handles_pinned_total += 1
         return {"do_remote_decode": True, "do_remote_prefill": False, **common,
                 "remote_blocks_expiry_time": expires_at, "transfer_mode": "pull"}

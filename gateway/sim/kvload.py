@@ -28,6 +28,8 @@ class KVSource:
     def from_params(cls, params: dict[str, Any] | None, settings: SimSettings) -> KVSource | None:
         if not settings.has_connector or not params or params.get("remote_block_ids") is None:
             return None
+        if settings.transfer_mode == "push":  # nobody reads in push mode: P writes (push.py, protocol §8)
+            return None
         if not params.get("remote_engine_id"):
             return None
         if settings.role == "decode" and params.get("do_remote_prefill"):
@@ -48,8 +50,10 @@ class KVSource:
 
 
 def parks(params: dict[str, Any] | None, settings: SimSettings) -> bool:
-    """A P without bidirectional transfer given D's handle waits for a transfer never scheduled: a hang."""
-    return (settings.role == "prefill" and not settings.bidirectional and bool(params)
+    """A pull-mode P without bidirectional transfer given D's handle waits for a transfer never scheduled: a
+    hang. A push-mode P ignores D's handle and prefills (nixl/push_scheduler.py:119-126)."""
+    return (settings.role == "prefill" and settings.transfer_mode == "pull" and not settings.bidirectional
+            and bool(params)
             and bool(params.get("do_remote_decode")) and params.get("remote_block_ids") is not None)
 
 

@@ -10,19 +10,11 @@ import contextlib
 from typing import Protocol
 
 from gateway.sim.blocks import GARBAGE, Slot
+from gateway.sim.failures import KVLoadError, KVLoadParked
 from gateway.sim.kvload import KVSource, load_plan
 from gateway.sim.settings import SimSettings
 from gateway.sim.stats import SimStats
-from gateway.sim.transfer import KVClient, TransferError
-
-
-class KVLoadError(Exception):
-    """A KV load failed (or was declined) under `kv_load_failure_policy: fail`."""
-
-
-class KVLoadParked(Exception):
-    """A P's read of D's blocks was declined (expiry margin) under `recompute`: real vLLM 0.32 never schedules
-    the request again; it waits until the client goes away (docs/vllm-findings.md)."""
+from gateway.sim.transfer import HolderAddress, KVClient, TransferError
 
 
 class Reads(Protocol):
@@ -49,7 +41,7 @@ class KVReader:
             if s.kv_load_failure_policy == "recompute":
                 stats.requests_parked += 1
                 raise KVLoadParked(source.holder.request_id)
-            return self._failed(f"handle {source.holder.request_id} expires within the margin")
+            return self.failed(f"handle {source.holder.request_id} expires within the margin")
         if not plan.block_ids:
             stats.kv_reads_skipped += 1
             await self.notify(source)
@@ -58,11 +50,11 @@ class KVReader:
             blocks = await e.kv.read(source.holder, plan.block_ids)
         except TransferError as exc:
             stats.kv_load_failures += 1
-            return self._failed(str(exc))
+            return self.failed(str(exc))
         stats.kv_reads_total += 1
         stats.kv_blocks_read += len(blocks)
-        if s.transfer_ms_per_block:
-            await asyncio.sleep(len(blocks) * s.transfer_ms_per_block / 1000)
+        if s.transfer_ms_per_block or s.transfer_ms_per_read:
+            await asyncio.sleep((s.transfer_ms_per_read + len(blocks) * s.transfer_ms_per_block) / 1000)
         blocks = [[]] * plan.missing + blocks  # a handle shorter than needed: the head reads garbage
         out = {}
         for p in range(cached, plan.end):
@@ -71,7 +63,7 @@ class KVReader:
             out[p] = block[j] if j < len(block) else GARBAGE
         return out
 
-    def _failed(self, why: str) -> dict[int, Slot]:
+    def failed(self, why: str) -> dict[int, Slot]:
         if self.engine.settings.kv_load_failure_policy == "fail":
             raise KVLoadError(why)
         return {}  # recompute: the whole uncached prompt is prefilled locally
@@ -83,14 +75,14 @@ class KVReader:
         except TransferError:
             pass  # the holder's lease or pin will run out instead
 
-    async def heartbeat(self, source: KVSource) -> None:
+    async def heartbeat(self, holder: HolderAddress) -> None:
         with contextlib.suppress(TransferError):
-            await self.engine.kv.heartbeat(source.holder)
+            await self.engine.kv.heartbeat(holder)
             self.engine.stats.heartbeats_sent += 1
 
-    async def heartbeats(self, source: KVSource) -> None:
-        """From arrival until the read, keep P's lease alive (queued for a seat or for free blocks)."""
+    async def heartbeats(self, holder: HolderAddress) -> None:
+        """From arrival until the read (or P's write), keep P's lease alive (queued for a seat or blocks too)."""
         period = max(0.2, self.engine.settings.kv_lease_duration / 3)
         while True:
             await asyncio.sleep(period)
-            await self.heartbeat(source)
+            await self.heartbeat(holder)

@@ -17,7 +17,7 @@ import msgspec
 from gateway.sim import wire
 from gateway.sim.blocks import PoolExhaustedError
 from gateway.sim.engine import Engine, EngineRequest, Running
-from gateway.sim.reading import KVLoadError, KVLoadParked
+from gateway.sim.failures import KVLoadParked, RequestFailed
 from gateway.sim.generate import THINK_CLOSE, THINK_OPEN
 from gateway.sim.render import Renderer, RenderError
 from gateway.sim.settings import SimSettings
@@ -140,7 +140,7 @@ class Serving:
     async def respond(self, call: Call) -> dict[str, Any]:
         try:
             run = await self.engine.admit(call.engine_req)
-        except KVLoadError as exc:
+        except RequestFailed as exc:  # a failed load, an injected fault, a push leg without P's identity
             raise SimRequestError(500, "Internal server error") from exc
         except PoolExhaustedError as exc:
             raise SimRequestError(400, str(exc)) from exc
@@ -192,7 +192,7 @@ class Serving:
         try:
             try:
                 run = await self.engine.admit(call.engine_req)
-            except KVLoadError:
+            except RequestFailed:
                 yield wire.sse(wire.error_body("Internal server error", 500))
                 yield wire.sse("[DONE]")
                 return

@@ -9,6 +9,10 @@ import msgspec
 
 Role = Literal["prefill", "decode", "colocated"]
 FailurePolicy = Literal["recompute", "fail"]
+TransferMode = Literal["pull", "push"]  # NixlConnector (READ by D) or NixlPushConnector (WRITE by P), protocol §8
+# Test faults of a push-mode P (docs/protocol.md §8.4): its P legs fail with HTTP 500 after prefilling, or it
+# answers but never writes (vLLM 0.32 logs a failed P->D handshake or WRITE submission and tells D nothing).
+PushFault = Literal["none", "fail-prefill", "never-write"]
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_NUM_BLOCKS = 4096
@@ -17,6 +21,7 @@ DEFAULT_LEASE_S = 30.0
 DEFAULT_PIN_TTL_S = 480.0
 DEFAULT_RECOMPUTE_THRESHOLD = 64
 DEFAULT_VERSION = "0.32.0"
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048   # vLLM's default for the OpenAI server with chunked prefill
 # vLLM declines a read whose handle expires within this margin (same-host monotonic clock).
 EXPIRY_MARGIN_S = 5.0
 
@@ -45,7 +50,13 @@ class SimSettings(msgspec.Struct, kw_only=True, frozen=True):
     honour_prompt_token_ids: bool = True
     prefill_ms_per_token: float = 0.0
     decode_ms_per_token: float = 0.0
-    transfer_ms_per_block: float = 0.0
+    transfer_ms_per_block: float = 0.0  # paid by the engine that moves the KV: D's READ (pull), P's WRITE (push)
+    transfer_mode: TransferMode = "pull"
+    push_registration_timeout: float | None = None  # None: decoder_kv_blocks_ttl, as vLLM defaults it
+    push_fault: PushFault = "none"
+    transfer_ms_per_read: float = 0.0     # a read's fixed part: handshake, the reader's scheduling, notification
+    batched_steps: bool = False           # steps shared by running requests (sim/steps.py); off: each on its own
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = 256
     output_tokens: tuple[int, int] = (8, 40)
     enable_auto_tool_choice: bool = False
@@ -53,6 +64,18 @@ class SimSettings(msgspec.Struct, kw_only=True, frozen=True):
     tool_call_rate: float = 0.5           # how often the model calls a tool when tool_choice is "auto"
     tool_call_style: Literal["template", "varied"] = "template"
     version: str = DEFAULT_VERSION
+
+    def __post_init__(self) -> None:
+        if self.transfer_mode == "push" and self.bidirectional and self.has_connector:
+            # vLLM 0.32 refuses to start (nixl/push_scheduler.py:72-75), docs/protocol.md §8.1
+            raise ValueError("Bidirectional KV transfer is not supported for NIXL push connector.")
+
+    @property
+    def registration_timeout(self) -> float:
+        """D's soft watchdog on a push registration (nixl/push_scheduler.py:96-101)."""
+        if self.push_registration_timeout is not None:
+            return self.push_registration_timeout
+        return self.decoder_kv_blocks_ttl
 
     @property
     def recompute_threshold(self) -> int:

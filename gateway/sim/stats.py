@@ -35,3 +35,16 @@ class SimStats(msgspec.Struct, kw_only=True):
     block_wait_seconds_max: float = 0.0
     requests_preempted: int = 0  # no free block for the answer: blocks given back, recomputed later (vLLM)
     holds_skipped_no_blocks: int = 0  # finished without a handle: no free block for the answer's KV
+    # push mode (docs/protocol.md §8): on D
+    push_registrations_sent: int = 0  # D's blocks registered with P
+    push_registrations_timed_out: int = 0  # push_registration_timeout passed: logged, the request still waits
+    push_writes_received: int = 0  # P's writes that completed a waiting request
+    push_blocks_received: int = 0
+    push_writes_after_abort: int = 0  # a write for an aborted request: its held blocks freed then
+    push_writes_unmatched: int = 0  # a write no request waits for
+    # ... and on P
+    push_registrations_received: int = 0
+    push_writes_sent: int = 0
+    push_blocks_written: int = 0
+    push_writes_failed: int = 0  # D unreachable, or D registered more blocks than P holds: no write, D not told
+    push_writes_withheld: int = 0  # --push-fault never-write

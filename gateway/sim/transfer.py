@@ -1,6 +1,6 @@
 """Reader side of KV transfer: the sim-to-sim HTTP calls that stand in for NIXL.
 
-Endpoints served by every connector sim (see `kv_routes.py`):
+Endpoints served by every connector sim (see `app.py`; push mode's two are in `push.py`):
   POST /sim/kv/read       {request_id, engine_id, block_ids, block_size, reader} -> {blocks: [[[tok, pos], ...]]}
   POST /sim/kv/notify     {request_id, engine_id, reader}                        -> {claim}
   POST /sim/kv/heartbeat  {request_id, engine_id}                                -> {extended}
@@ -79,18 +79,18 @@ class KVClient:
 
     async def read(self, holder: HolderAddress, block_ids: list[int]) -> list[list[Slot]]:
         body = KVReadRequest(holder.request_id, holder.engine_id, block_ids, self.block_size, self.reader)
-        raw = await self._post(holder.url("/sim/kv/read"), body)
+        raw = await self.post(holder.url("/sim/kv/read"), body)
         reply = msgspec.json.decode(raw, type=KVReadResponse)
         return [[tuple(slot) for slot in block] for block in reply.blocks]  # type: ignore[misc]
 
     async def notify(self, holder: HolderAddress) -> None:
-        await self._post(holder.url("/sim/kv/notify"), KVNotifyRequest(holder.request_id, holder.engine_id,
+        await self.post(holder.url("/sim/kv/notify"), KVNotifyRequest(holder.request_id, holder.engine_id,
                                                                        self.reader))
 
     async def heartbeat(self, holder: HolderAddress) -> None:
-        await self._post(holder.url("/sim/kv/heartbeat"), KVHeartbeatRequest(holder.request_id, holder.engine_id))
+        await self.post(holder.url("/sim/kv/heartbeat"), KVHeartbeatRequest(holder.request_id, holder.engine_id))
 
-    async def _post(self, url: str, body: msgspec.Struct) -> bytes:
+    async def post(self, url: str, body: msgspec.Struct) -> bytes:
         assert self._session is not None, "KVClient.start() not called"
         try:
             async with self._session.post(url, data=msgspec.json.encode(body),

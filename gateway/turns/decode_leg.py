@@ -21,15 +21,17 @@ from gateway.turns.legs.capture import DecodeCapture
 from gateway.turns.legs.restream import restream
 from gateway.turns.outcome import TurnOutcome
 from gateway.turns.reuse.plan import Reason
+from gateway.turns.reuse.rates import DecodeTiming, Rates
 from gateway.turns.turn import Turn, TurnReply
 
 _encode = msgspec.json.Encoder().encode
 
 
 class DecodeLeg:
-    def __init__(self, client: EngineClient, calls: EngineCalls, outcome: TurnOutcome, metrics: Metrics,
-                 settings: Settings) -> None:
-        self.client, self.calls, self.outcome, self.metrics, self.settings = client, calls, outcome, metrics, settings
+    def __init__(self, client: EngineClient, calls: EngineCalls, outcome: TurnOutcome, rates: Rates,
+                 metrics: Metrics, settings: Settings) -> None:
+        self.client, self.calls, self.outcome, self.rates = client, calls, outcome, rates
+        self.metrics, self.settings = metrics, settings
 
     async def run(self, turn: Turn) -> TurnReply:
         if turn.req.stream and self.settings.stream_handle_policy == "miss":
@@ -38,7 +40,7 @@ class DecodeLeg:
 
     async def _json(self, turn: Turn) -> TurnReply:
         began = time.perf_counter()
-        body = decode_body(turn.req, turn.prefill_handle)
+        body = decode_body(turn.req, turn.prefill_handle, local=turn.plan.local)
         body["stream"] = False
         body.pop("stream_options", None)
         clock = turn.req.clock
@@ -59,15 +61,16 @@ class DecodeLeg:
         return TurnReply(headers, body=_encode(view))
 
     async def _stream(self, turn: Turn) -> TurnReply:
-        body = decode_body(turn.req, turn.prefill_handle)
+        body = decode_body(turn.req, turn.prefill_handle, local=turn.plan.local)
+        sent = time.perf_counter()
         stream = await self.calls.leg("decode", turn.decode, self.client.open_stream(
             turn.decode.url, turn.req.endpoint, body,
             first_byte_timeout_s=self.settings.decode_first_byte_timeout_s,
             idle_timeout_s=self.settings.decode_idle_timeout_s, headers=turn.leg_headers("decode"),
             on_sent=turn.req.clock.decode_out))
-        return TurnReply(turn.reply_headers(self.settings.pd_headers), stream=self._relay(turn, stream))
+        return TurnReply(turn.reply_headers(self.settings.pd_headers), stream=self._relay(turn, stream, sent))
 
-    async def _relay(self, turn: Turn, stream: EngineStream) -> AsyncGenerator[bytes, None]:
+    async def _relay(self, turn: Turn, stream: EngineStream, sent: float) -> AsyncGenerator[bytes, None]:
         """Pass D's SSE events through as they come, minus engine internals; record before `[DONE]`."""
         capture, began, first, recorded = DecodeCapture(), time.perf_counter(), True, False
         turn.decode.outstanding_requests += 1
@@ -78,6 +81,7 @@ class DecodeLeg:
                     turn.req.clock.decode_in()
                     self.outcome.release_held_back(turn)
                     self.outcome.observe("decode_ttft", began)
+                    self._learn(turn, time.perf_counter() - sent)
                     first = False
                 frames = []                  # the events of one read go out in one write
                 for event in events:
@@ -106,6 +110,15 @@ class DecodeLeg:
             turn.ticket.close()
             if not recorded:
                 await _shielded(self.outcome.abandon(turn))
+
+
+    def _learn(self, turn: Turn, seconds: float) -> None:
+        """A streamed D leg's first token, for the path choice: the hand-over after P, or a local leg's fixed part."""
+        computed = len(turn.req.prompt_ids) - turn.reused_tokens
+        prefill_rate = self.rates.prefill_rate(turn.prefill.url) if turn.prefill else None
+        if turn.plan.local:
+            prefill_rate = self.rates.any_prefill_rate()
+        self.rates.observe_decode(DecodeTiming(turn.decode.url, turn.plan.local, computed, seconds), prefill_rate)
 
 
 async def _shielded(coro: Awaitable[None]) -> None:

@@ -11,6 +11,7 @@ the client has received a byte.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from gateway.config import DEFAULT_TENANT, Settings
 from gateway.engines import routing
@@ -18,7 +19,7 @@ from gateway.engines.client import EngineClient
 from gateway.engines.engine import Engine
 from gateway.engines.pool import EnginePool
 from gateway.errors import EngineUnavailableError
-from gateway.store import ConversationKey, StoreUnavailableError
+from gateway.store import Conversation, ConversationKey, StoreUnavailableError
 from gateway.telemetry import Metrics
 from gateway.tracing import NO_TRACING, Tracing
 from gateway.turns.admission import Admission
@@ -30,7 +31,8 @@ from gateway.turns.outcome import TurnOutcome
 from gateway.turns.prefill_leg import PrefillLeg
 from gateway.turns.reuse import plan as plans
 from gateway.turns.reuse.lookup import How
-from gateway.turns.reuse.plan import Leg, Reason
+from gateway.turns.reuse.cost import TurnShape
+from gateway.turns.reuse.plan import Leg, PlanKind, Reason
 from gateway.turns.reuse.rates import Rates
 from gateway.turns.state.ahead import ClaimAhead
 from gateway.turns.state.state import ConversationState
@@ -48,7 +50,7 @@ class TurnRunner:
         self.rates = Rates()         # what the P legs taught of the engines' speeds, for the cost plan
         self.outcome = TurnOutcome(state, releaser, metrics)
         self.prefill_leg = PrefillLeg(client, calls, self.rates, self.outcome, settings)
-        self.decode_leg = DecodeLeg(client, calls, self.outcome, metrics, settings)
+        self.decode_leg = DecodeLeg(client, calls, self.outcome, self.rates, metrics, settings)
 
     def claim_ahead(self, session: ConversationKey | None) -> ClaimAhead:
         """`async with` it around rendering and `run`: the store's claim overlaps the rendering (state.py)."""
@@ -93,17 +95,44 @@ class TurnRunner:
             return
         turn.plan = plans.first_plan(turn.req.prompt_ids, claim)
 
-    def _weigh(self, turn: Turn) -> Engine | None:
-        """Under `reuse_policy: cost`, pick P now and let `plan.by_cost` keep or drop the handle for that P."""
+    def _choose_path(self, turn: Turn) -> Engine | None:
+        """Once D is picked: the local path when the holder D can compute the short new suffix itself, and under
+        `reuse_policy: cost` the cheapest of local, P reading and P recomputing (`plan.by_path`, for the P picked
+        now: returned, for the first P leg). Under `always` a turn that may go local does; the rest read."""
         record = turn.start.record if turn.start else None
-        if turn.plan.handle is None or record is None or self.settings.reuse_policy != "cost":
+        if turn.plan.handle is None or record is None:
+            return None
+        shape = self._shape(turn, record)
+        if self.settings.reuse_policy != "cost":
+            if shape.local_allowed:
+                turn.plan = plans.to_local(turn.plan, shape.local_hit_tokens)
+                self._hold_back(turn)
             return None
         prefill = self._pick(turn, "prefill")
-        warm = self.rates.warm_tokens(prefill.url, record.prefill_engine, record.held_tokens)
-        turn.plan = plans.by_cost(turn.plan, self.rates.costs(prefill.url, record.decode_engine), warm)
+        shape = replace(shape, p_cached_tokens=self.rates.warm_tokens(prefill.url, record.prefill_engine,
+                                                                      record.held_tokens))
+        costs = self.rates.path_costs(prefill.url, record.decode_engine, p_queued_tokens=prefill.outstanding_tokens,
+                                      p_waiting=prefill.outstanding_requests)
+        turn.plan = plans.by_path(turn.plan, costs, shape)
+        self._hold_back(turn)
+        return None if turn.plan.local else prefill
+
+    def _hold_back(self, turn: Turn) -> None:
+        """The claimed handle a plan does not read goes back once D has answered; a local turn's too, since D's
+        new request then holds the blocks the old handle pins (docs/protocol.md §9), never before."""
         if turn.plan.release:
             self.outcome.release_later(turn, turn.plan.release)
-        return prefill
+        if turn.plan.local and turn.plan.handle is not None:
+            self.outcome.release_later(turn, turn.plan.handle)
+
+    def _shape(self, turn: Turn, record: Conversation) -> TurnShape:
+        """The turn as the path choice sees it: local only on the holder D, for a suffix within the bound."""
+        prompt = len(turn.req.prompt_ids)
+        hit = plans.local_hit(turn.plan, prompt, record.block_size)
+        bound = self.settings.local_prefill_max_tokens
+        allowed = (0 < prompt - hit <= bound and turn.decode is not None and turn.decode.url == record.decode_engine
+                   and turn.plan.kind in (PlanKind.REUSE, PlanKind.PARTIAL))
+        return TurnShape(prompt, turn.plan.reused_tokens, hit, 0, allowed)
 
     def _pick(self, turn: Turn, leg: Leg) -> Engine:
         """D first, then P (routing.py's profiles); an engine that failed this turn is not picked again."""
@@ -121,7 +150,7 @@ class TurnRunner:
     async def _legs(self, turn: Turn) -> TurnReply:
         """D is chosen first (its holder decides whether a handle is usable at all), then P runs, then D."""
         turn.decode = self._pick(turn, "decode")
-        prefill = self._weigh(turn)      # the cost plan needs its P: picked now, used by the first P leg
+        prefill = self._choose_path(turn)      # the cost plan needs its P: picked now, used by the first P leg
         leg: Leg = turn.plan.first_leg
         while True:
             try:
@@ -135,5 +164,6 @@ class TurnRunner:
                 step = plans.replan(turn.plan, setback.leg, setback.kind)
                 turn.take(setback, step)
                 turn.plan, leg = step.plan, step.next_leg
+                turn.keep(turn.plan.handle)
                 if setback.leg == "decode" and step.blame:
                     turn.decode = self._pick(turn, "decode")

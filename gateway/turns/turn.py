@@ -59,6 +59,10 @@ class Turn:
             raise setback.error
         self.retries_left -= 1
 
+    def keep(self, handle: kv.Handle | None) -> None:
+        """A held-back handle the plan now reads (a local turn whose D failed): no longer to be released."""
+        self.held_back = [(h, why) for h, why in self.held_back if h is not handle]
+
     @property
     def served(self) -> Served:
         return Served(self.prefill.url if self.prefill else "", self.decode.url if self.decode else "")

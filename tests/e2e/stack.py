@@ -68,7 +68,8 @@ def get_json(url: str) -> dict:
 
 @contextlib.contextmanager
 def stack(*, sim: list[str] = (), decode: list[str] = ("--stream-kv-params",), gateway: list[str] = (),
-          tokenizer: str = "builtin:demo", prefills: int = 1, decodes: int = 1, gateways: int = 1) -> Iterator[Stack]:
+          tokenizer: str = "builtin:demo", prefills: int = 1, decodes: int = 1, gateways: int = 1,
+          local: bool = False) -> Iterator[Stack]:
     servers: list[Server] = []
 
     def launch(args: list[str]) -> Server:
@@ -80,8 +81,10 @@ def stack(*, sim: list[str] = (), decode: list[str] = ("--stream-kv-params",), g
         p = [launch([*common, "--role", "prefill", "--engine-id", f"p{i}"]) for i in range(prefills)]
         d = [launch([*common, "--role", "decode", "--engine-id", f"d{i}", *decode]) for i in range(decodes)]
         base = launch([*common, "--role", "colocated", "--engine-id", "baseline"])
-        # these tests check reuse itself: `always`; the cost plan is tested on timed sims (test_cost_plan.py)
-        args = ["serve", "--tokenizer", tokenizer, "--health-interval-s", "0.5", "--reuse-policy", "always", *gateway]
+        # these tests check reuse itself: `always`; the cost plan is tested on timed sims (test_cost_plan.py); P
+        # reading D's KV unless `local` (the local path's own tests, test_local_path.py, and the property tests)
+        args = ["serve", "--tokenizer", tokenizer, "--health-interval-s", "0.5", "--reuse-policy", "always",
+                *([] if local else ["--local-prefill-max-tokens", "0"]), *gateway]
         for server in p:
             args += ["--prefill", server.url]
         for server in d:

@@ -10,9 +10,9 @@ import pytest
 
 from gateway.config import Settings
 from gateway.engines.pool import EnginePool
-from gateway.errors import EngineFailedError
+from gateway.errors import EngineFailedError, EngineTimeoutError
 from gateway.telemetry import Metrics
-from gateway.turns.legs.calibration import NEW_TOKENS, RateProbe, sample_of
+from gateway.turns.legs.calibration import NEW_TOKENS, READ_DEADLINE_FLOOR_S, RateProbe, sample_of
 from gateway.turns.legs.calls import EngineCalls
 from gateway.turns.reuse.rates import PrefillTiming, ProbeSample, Rates
 from gateway.turns.legs.release import HandleReleaser
@@ -66,12 +66,15 @@ def test_learned_rates_are_exported_at_scrape_time():
 class Engines:
     """P and D as the probe sees them: P hands out a handle for what it prefilled, D one for what it read."""
 
-    def __init__(self, fail_read: bool = False, d_handle: bool = True) -> None:
-        self.fail_read, self.d_handle = fail_read, d_handle
+    def __init__(self, fail_read: bool = False, d_handle: bool = True, read_timeout: bool = False) -> None:
+        self.fail_read, self.d_handle, self.read_timeout = fail_read, d_handle, read_timeout
+        self.timeouts: list[float] = []
         self.calls: list[tuple[str, dict[str, Any]]] = []
 
-    async def post_json(self, url: str, path: str, body: dict[str, Any], **_: Any) -> dict[str, Any]:
+    async def post_json(self, url: str, path: str, body: dict[str, Any], *, timeout_s: float = 0.0,
+                        **_: Any) -> dict[str, Any]:
         self.calls.append((url, body))
+        self.timeouts.append(timeout_s)
         params, n = body["kv_transfer_params"], len(body["prompt"])
         if url == D:
             handle = {"remote_engine_id": "d0", "remote_block_ids": [[1]], "remote_num_tokens": n}
@@ -81,6 +84,8 @@ class Engines:
                 return {"choices": [{}]}                       # a release
             if self.fail_read:
                 raise EngineFailedError("prefill failed")
+            if self.read_timeout:
+                raise EngineTimeoutError("P read D's KV too slowly")
         return {"choices": [{}], "kv_transfer_params": {"remote_engine_id": "p0", "remote_block_ids": [[2]],
                                                         "remote_num_tokens": n}}
 
@@ -128,6 +133,20 @@ def test_a_failed_read_releases_d_s_blocks_and_keeps_the_rates():
     assert sample is None and rates.known() == []
     released = [body for url, body in engines.calls if body["kv_transfer_params"].get("remote_num_tokens") == 0]
     assert len(released) == 1 and released[0]["kv_transfer_params"]["remote_engine_id"] == "d0"
+
+
+def test_a_read_outlasting_its_deadline_is_evidence_that_reading_does_not_pay():
+    engines = Engines(read_timeout=True)
+    _, rates, sample = asyncio.run(probed(engines, rate_probe_tokens=1024))
+    assert sample is not None and sample.tokens == 256 and sample.read_s == READ_DEADLINE_FLOOR_S
+    costs = rates.costs(P, D)
+    assert costs.transfer_tokens_per_s < costs.prefill_tokens_per_s      # the pair recomputes from now on
+    read_timeouts = [t for (url, body), t in zip(engines.calls, engines.timeouts)
+                     if url == P and body["kv_transfer_params"].get("remote_engine_id") == "d0"
+                     and body["kv_transfer_params"].get("remote_num_tokens")]
+    assert read_timeouts == [READ_DEADLINE_FLOOR_S]       # 4x P's compute time, at least the floor
+    released = [body for url, body in engines.calls if body["kv_transfer_params"].get("remote_num_tokens") == 0]
+    assert len(released) == 1                             # D's blocks freed all the same
 
 
 def test_no_handle_from_d_ends_the_probe():

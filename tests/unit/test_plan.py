@@ -6,9 +6,9 @@ import pytest
 from gateway.engines import kv
 from gateway.engines.kv import Handle
 from gateway.turns.reuse.continuity import Fingerprint
-from gateway.turns.reuse.cost import PairCosts
-from gateway.turns.reuse.plan import (Claim, PlanKind, Reason, Setback, by_cost, first_plan, full, plan_with_handle,
-                                 replan)
+from gateway.turns.reuse.cost import PairCosts, PathCosts, TurnShape
+from gateway.turns.reuse.plan import (Claim, PlanKind, Reason, Setback, by_path, first_plan, full, local_hit,
+                                      plan_with_handle, replan, to_local)
 
 BS = 4
 S = list(range(50, 70))
@@ -114,6 +114,11 @@ FAST, SLOW = 1e6, 1e3           # tokens/s when P reads D's KV
 PREFILL = 1e4                   # tokens/s when P computes
 
 
+def by_cost(plan, pair: PairCosts, p_cached: int, *, local_allowed: bool = False, **costs):
+    shape = TurnShape(len(S) + 1, plan.reused_tokens, local_hit(plan, len(S) + 1, BS), p_cached, local_allowed)
+    return by_path(plan, PathCosts(pair, **costs), shape)
+
+
 @pytest.mark.parametrize(("transfer", "prefill", "p_cached", "kind", "reason"), [
     (FAST, PREFILL, 0, PlanKind.REUSE, Reason.CONTINUOUS),                  # reading 100x faster: keep it
     (SLOW, PREFILL, 0, PlanKind.FULL, Reason.RECOMPUTE_FASTER),             # reading 10x slower: drop it
@@ -144,3 +149,55 @@ def test_by_cost_keeps_a_partial_plans_cut_handle_and_releases_it_when_dropped()
 def test_by_cost_leaves_plans_without_a_handle_alone():
     plan = full(Reason.FIRST_TURN)
     assert by_cost(plan, PairCosts(SLOW, PREFILL), 0) is plan
+
+
+# -- the local path: the holder D computes the short suffix itself ---------------------------------------------
+HANDOVER = {"handover_s": 0.05}
+
+
+@pytest.mark.parametrize(("pair", "costs", "kind", "reason"), [
+    (PairCosts(FAST, PREFILL), HANDOVER, PlanKind.LOCAL, Reason.SHORT_SUFFIX),      # no hand-over, no P leg
+    (PairCosts(None, None), {}, PlanKind.LOCAL, Reason.SHORT_SUFFIX),               # nothing known: the short way
+    (PairCosts(FAST, PREFILL), {}, PlanKind.LOCAL, Reason.SHORT_SUFFIX),            # no hand-over seen yet
+    (PairCosts(SLOW, PREFILL), HANDOVER, PlanKind.LOCAL, Reason.SHORT_SUFFIX),
+    # D's fixed part (busy with its streams) far over P's path: P reads, and says why
+    (PairCosts(FAST, PREFILL), {**HANDOVER, "local_fixed_s": 1.0}, PlanKind.REUSE, Reason.P_PATH_FASTER),
+    # ... unless P is busy: its queue, and what the turn would cost P's other requests
+    (PairCosts(FAST, PREFILL), {**HANDOVER, "local_fixed_s": 1.0, "p_queued_tokens": 20_000}, PlanKind.LOCAL,
+     Reason.SHORT_SUFFIX),
+    (PairCosts(FAST, PREFILL), {**HANDOVER, "local_fixed_s": 0.07}, PlanKind.REUSE, Reason.P_PATH_FASTER),
+    (PairCosts(SLOW, PREFILL), {**HANDOVER, "local_fixed_s": 1.0}, PlanKind.FULL, Reason.RECOMPUTE_FASTER),
+])
+def test_by_path_weighs_the_local_path(pair, costs, kind, reason):
+    first = plan_with_handle(S + [1], Fingerprint.of(S, 19, BS), handle(19))
+    plan = by_cost(first, pair, 0, local_allowed=True, **costs)
+    assert (plan.kind, plan.reason) == (kind, reason)
+
+
+def test_a_local_plan_keeps_the_handle_unread_and_counts_d_s_whole_blocks():
+    first = plan_with_handle(S + [1], Fingerprint.of(S, 19, BS), handle(19))
+    plan = by_cost(first, PairCosts(FAST, PREFILL), 0, local_allowed=True)
+    assert plan.first_leg == "decode" and plan.handle == first.handle and plan.release is None
+    assert plan.reused_tokens == 16          # D's cache holds full blocks only: 4 of them, not 19 tokens
+    assert plan.instead == first
+
+
+def test_a_local_turn_not_allowed_stays_on_the_p_path():
+    first = plan_with_handle(S + [1], Fingerprint.of(S, 19, BS), handle(19))
+    assert by_cost(first, PairCosts(FAST, PREFILL), 0, local_allowed=False) == first
+
+
+@pytest.mark.parametrize(("setback", "kind", "reason", "handle_kept"), [
+    # D failed or timed out: the handle was never read, so P reads it, through another D
+    (Setback.FAILED, PlanKind.REUSE, Reason.DECODE_FAILED, True),
+    (Setback.TIMEOUT, PlanKind.REUSE, Reason.DECODE_FAILED, True),
+    # the holder refused the connection: its KV is out of reach, P prefills afresh
+    (Setback.REFUSED, PlanKind.FULL, Reason.DECODE_FAILED, False),
+])
+def test_replan_after_a_local_turn_s_d_failed(setback, kind, reason, handle_kept):
+    first = plan_with_handle(S + [1], Fingerprint.of(S, 19, BS), handle(19))
+    step = replan(to_local(first, 16), "decode", setback)
+    assert (step.plan.kind, step.plan.reason, step.next_leg, step.blame) == (kind, reason, "prefill", True)
+    assert (step.plan.handle == first.handle) is handle_kept
+    if handle_kept:
+        assert step.plan.reused_tokens == 19

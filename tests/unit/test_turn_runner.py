@@ -64,10 +64,10 @@ def reads_d(body: dict[str, Any]) -> bool:
     return body["kv_transfer_params"].get("remote_engine_id") == "d0"
 
 
-async def built(script: Script, *, retries: int = 2, proven: bool = False,
-                prompt: list[int] = PROMPT) -> tuple[ScriptedClient, TurnRunner, TurnRequest]:
+async def built(script: Script, *, retries: int = 2, proven: bool = False, prompt: list[int] = PROMPT,
+                local: int = 0) -> tuple[ScriptedClient, TurnRunner, TurnRequest]:
     settings = Settings(prefill=["http://p0", "http://p1"], decode=["http://d0", "http://d1"], max_retries=retries,
-                        prefill_affinity=False)
+                        prefill_affinity=False, local_prefill_max_tokens=local)
     store, metrics, client = MemoryConversationStore(), Metrics(), ScriptedClient(script)
     held = Fingerprint.of(HISTORY, 20, BS)
     start = await store.begin_turn(KEY, 0.0)
@@ -227,3 +227,43 @@ async def test_an_unused_handle_is_released_when_the_turn_fails_too():
         await runner.run(req, KEY)
     await runner.drain()
     assert len(releases(client)) == 1
+
+
+# -- the local path: the holder D alone ------------------------------------------------------------------------
+async def test_a_short_suffix_goes_to_the_holder_alone_and_its_old_handle_goes_after():
+    client, _, reply = await run_turn(by_leg(prefill_answer), local=64)
+    assert reply.headers["X-PD-Plan"] == "local" and reply.headers["X-PD-Reason"] == "short_suffix"
+    (url, body), = [(u, b) for u, b in client.calls if "messages" in b]
+    assert url == "http://d0" and not reads_d(body)
+    params = body["kv_transfer_params"]          # held for the next turn's reader, as P is asked on a first turn
+    assert params["do_remote_decode"] is True and params["remote_block_ids"] is None
+    assert releases(client) == [1]                 # after D's answer, through a P
+    assert "://p" in client.calls[1][0]
+    assert reply.headers["X-PD-Reused-Tokens"] == "20"          # D's whole blocks: 5 of 4 tokens
+
+
+async def test_a_suffix_over_the_bound_takes_the_p_path():
+    client, _, reply = await run_turn(by_leg(prefill_answer), local=2)
+    assert reply.headers["X-PD-Plan"] == "reuse" and legs(client)[0][1]
+
+
+async def test_a_holder_over_its_load_bound_sends_the_turn_the_long_way():
+    client, runner, req = await built(by_leg(prefill_answer), local=64)
+    runner.decode_pool.get("http://d0").outstanding_requests = runner.settings.decode_load_bound + 1
+    reply = await runner.run(req, KEY)
+    await runner.drain()
+    assert reply.headers["X-PD-Plan"] == "reuse"
+    assert legs(client)[0][1] and legs(client)[1][0] == "http://d1"     # P reads d0's KV for d1
+
+
+@pytest.mark.parametrize(("error", "plan", "p_reads"), [
+    (EngineFailedError("boom"), "reuse", True),      # the handle was never read: P reads it, for another D
+    (EngineConnectError("refused"), "full", False),  # the holder is gone, and its KV with it
+])
+async def test_a_failed_local_leg_falls_back_to_the_p_path(error, plan, p_reads):
+    client, _, reply = await run_turn(by_leg(prefill_answer, failing_first(error, decode_answer)), local=64)
+    assert reply.headers["X-PD-Plan"] == plan and reply.headers["X-PD-Reason"] == "decode_failed"
+    (d_first, _), (p, read), (d_then, _) = legs(client)
+    assert d_first == "http://d0" and "://p" in p and read is p_reads and d_then == "http://d1"
+    if p_reads:
+        assert not releases(client)              # the handle P read is spent: nothing to release

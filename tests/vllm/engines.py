@@ -30,6 +30,11 @@ SERVED_MODEL = "tiny"
 BLOCK_SIZE = 128                 # the CPU backend's KV block size
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 4    # layers x (K, V) x KV heads x head_dim x float32
 PIN_TTL_S = 20                   # decoder_kv_blocks_ttl on D: short, D's engine loop is busy while it pins
+# kv_lease_duration on D, the same: a request sent to D alone with `do_remote_decode` (the local path,
+# tests/vllm/test_local.py) is pinned as a producer lease for D's kv_lease_duration (vLLM's default 30 s),
+# not for decoder_kv_blocks_ttl. Equal, one TTL covers every handle D returns. Nothing else on D changes but
+# the interval of D's heartbeats to P (kv_lease_duration // 6: 3 s), well inside P's lease extension (20 s).
+LOCAL_LEASE_S = PIN_TTL_S
 
 # Every engine's environment: the pinned configuration of docs/vllm-cpu.md.
 ENGINE_ENV = {
@@ -59,6 +64,7 @@ def kv_transfer_config(role: Role, engine_id: str, *, policy: str, bidirectional
     extra: dict[str, Any] = {"bidirectional_kv_xfer": bidirectional}
     if role == "decode":
         extra["decoder_kv_blocks_ttl"] = pin_ttl_s
+        extra["kv_lease_duration"] = pin_ttl_s        # LOCAL_LEASE_S by default
     return {"kv_connector": "NixlConnector", "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
             "engine_id": engine_id, "kv_buffer_device": "cpu", "kv_load_failure_policy": policy,
             "kv_connector_extra_config": extra}

@@ -4,6 +4,7 @@ rather than waiting for an engine or the client.
 Spans (`pdgw_gateway_seconds{span=...}`), each observed once per turn when the client gets its first byte:
 - `to_prefill`: request in (the handler starts) -> P's request body encoded, handed to aiohttp;
 - `prefill_to_decode`: P's answer read -> D's request body encoded, handed to aiohttp;
+- `to_decode`: request in -> D's request body encoded, on a turn without a P leg (the local path);
 - `to_client`: D's first byte (a streamed leg's first event; a JSON leg's whole answer read) -> the client's
   first byte handed to the ASGI server;
 - `internal`: request in -> client's first byte, minus every wait for an engine (failed attempts included).
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from prometheus_client import Histogram
 
-SPANS = ("to_prefill", "prefill_to_decode", "to_client", "internal")
+SPANS = ("to_prefill", "prefill_to_decode", "to_decode", "to_client", "internal")
 _now = time.perf_counter
 
 
@@ -73,6 +74,8 @@ class TurnClock:
             out["to_prefill"] = self.prefill_sent - self.received
         if self.prefill_answered and self.decode_sent >= self.prefill_answered:
             out["prefill_to_decode"] = self.decode_sent - self.prefill_answered
+        elif self.decode_sent and not self.prefill_sent:
+            out["to_decode"] = self.decode_sent - self.received
         if self.decode_first and self.delivered_at:
             out["to_client"] = self.delivered_at - self.decode_first
         if self.delivered_at:

@@ -1,4 +1,4 @@
-"""The two legs of a turn as vLLM wants them (docs/protocol.md §3): request bodies, and what P's answer says."""
+"""The legs of a turn as vLLM wants them (docs/protocol.md §3, §9): request bodies, and what P's answer says."""
 
 from __future__ import annotations
 
@@ -24,10 +24,13 @@ def prefill_body(req: TurnRequest, handle: kv.Handle | None, *, confirm_ids: boo
     return _with_prompt(req, body)
 
 
-def decode_body(req: TurnRequest, prefill_handle: kv.Handle | None) -> dict[str, Any]:
+def decode_body(req: TurnRequest, prefill_handle: kv.Handle | None, *, local: bool = False) -> dict[str, Any]:
+    """D's leg: read P's handle (None: D prefills itself); `local`: D alone computes what its prefix cache lacks
+    and holds the result for the next turn's reader."""
     body = dict(req.forwarded)
     body["return_token_ids"] = True
-    body[kv.WIRE_KEY] = kv.decode_params(prefill_handle, _pinned_ids(req))
+    pinned = _pinned_ids(req)
+    body[kv.WIRE_KEY] = kv.local_params(pinned) if local else kv.decode_params(prefill_handle, pinned)
     return _with_prompt(req, body)
 
 

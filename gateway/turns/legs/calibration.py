@@ -13,7 +13,10 @@ scheduling, P's forward pass over the new tokens, NIXL's handshake and notificat
 eager mode that fixed part is 60-90 ms, as large as computing 4k tokens, so a single size would hide the answer
 (bench/GPU-RESULTS.md). Each time is the least over the rounds: noise only adds, and the first round pays the P-D
 handshake. A probe whose differences stay within the noise (engines without a timing model, such as untimed
-simulators) says nothing, and the pair keeps the rates learned from its legs. The read legs' P answers are
+simulators) says nothing, and the pair keeps the rates learned from its legs. A read that outlasts its
+deadline (`READ_DEADLINE_FACTOR` times what P took to compute the same tokens) is evidence, not silence: the
+pair's read rate is below that size over that time, so the pair recomputes from its first later turn on, rather
+than reading until a leg teaches it otherwise (issue 24: on a slow transport that cost 1.5x stateless PD). The read legs' P answers are
 decoded by nobody: P frees those blocks after vLLM's `kv_lease_duration`, as for any abandoned prefill.
 """
 
@@ -31,7 +34,7 @@ from gateway.engines import kv
 from gateway.engines.client import EngineClient
 from gateway.engines.engine import Engine
 from gateway.engines.pool import EnginePool
-from gateway.errors import GatewayError
+from gateway.errors import EngineTimeoutError, GatewayError
 from gateway.turns.legs.calls import EngineCalls
 from gateway.turns.reuse.rates import MIN_READ_TOKENS, ProbeSample, Rates
 from gateway.turns.legs.release import HandleReleaser
@@ -46,6 +49,8 @@ MIN_SIGNAL_S = 0.003            # below this, a difference is noise, not compute
 SHORTEST_S = 1e-4               # a part hidden in that noise: "very fast", not "unknown"
 CAPACITY_SHARE = 8              # a probe takes at most 1/8 of P's or D's KV blocks
 PROBE_TIMEOUT_S = 30.0
+READ_DEADLINE_FACTOR = 4.0      # a probe read slower than this many times P's compute of it: reading does not pay
+READ_DEADLINE_FLOOR_S = 2.0     # ... but never a deadline below this (handshakes, a first connection)
 TICK_S = 5.0                    # how often due pairs are looked for
 PROBE_TEXT = ("The quick brown fox jumps over the lazy dog while seven wizards quietly judge boxing matches; "
               "pack my box with five dozen liquor jugs, then measure how long the KV cache takes to move.")
@@ -108,6 +113,12 @@ class RateProbe:
         try:
             for _ in range(ROUNDS):
                 rounds.append([t for n in (small, large) for t in await self._legs(p, d, n)])
+        except SlowRead as slow:
+            sample = ProbeSample(slow.tokens, max(SHORTEST_S, slow.compute_s), slow.deadline_s)   # read: at most
+            self.rates.calibrate(p.url, d.url, sample)
+            log.info("rate probe %s -> %s: a %d-token read outlasted %.1f s, %s", p.url, d.url, slow.tokens,
+                     slow.deadline_s, _described(sample))
+            return sample
         except (GatewayError, LookupError) as exc:
             log.info("rate probe %s -> %s failed (%s): rates unchanged", p.url, d.url, exc)
             return None
@@ -134,10 +145,13 @@ class RateProbe:
         ids = self._ids(n)
         compute_s, answer = await self._timed(p, ids, kv.fresh_prefill())
         held = await self._read_by_decode(d, ids, kv.peek(answer))
+        deadline_s = min(PROBE_TIMEOUT_S, max(READ_DEADLINE_FLOOR_S, READ_DEADLINE_FACTOR * compute_s))
         try:
-            read_s, _ = await self._timed(p, ids + self._ids(NEW_TOKENS), kv.leg_params(held))
-        except GatewayError:
+            read_s, _ = await self._timed(p, ids + self._ids(NEW_TOKENS), kv.leg_params(held), deadline_s)
+        except GatewayError as exc:
             self.releaser.release(held, "probe")     # P may not have read it: free D's blocks
+            if isinstance(exc, EngineTimeoutError):
+                raise SlowRead(n, compute_s, deadline_s) from exc
             raise
         return compute_s, read_s
 
@@ -152,19 +166,29 @@ class RateProbe:
             raise LookupError("D returned no handle for the probe's tokens")
         return held
 
-    async def _timed(self, p: Engine, ids: list[int], params: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    async def _timed(self, p: Engine, ids: list[int], params: dict[str, Any],
+                     timeout_s: float = PROBE_TIMEOUT_S) -> tuple[float, dict[str, Any]]:
         began = time.perf_counter()
-        answer = await self._post(p, ids, params)
+        answer = await self._post(p, ids, params, timeout_s)
         return time.perf_counter() - began, answer
 
-    async def _post(self, engine: Engine, ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
+    async def _post(self, engine: Engine, ids: list[int], params: dict[str, Any],
+                    timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
         body = {"model": self.model, "prompt": ids, "max_tokens": 1, "stream": False, kv.WIRE_KEY: params,
                 "cache_salt": self._random.randbytes(8).hex()}
         return await self.calls.call(engine, self.client.post_json(
-            engine.url, "/v1/completions", body, timeout_s=PROBE_TIMEOUT_S), prompt_tokens=len(ids))
+            engine.url, "/v1/completions", body, timeout_s=timeout_s), prompt_tokens=len(ids))
 
     def _ids(self, n: int) -> list[int]:
         return self._random.choices(self.vocabulary, k=n)
+
+
+class SlowRead(Exception):
+    """A probe read of `tokens` outlasted its deadline: P computed them in `compute_s`."""
+
+    def __init__(self, tokens: int, compute_s: float, deadline_s: float) -> None:
+        super().__init__(f"a {tokens}-token read outlasted {deadline_s:.1f} s")
+        self.tokens, self.compute_s, self.deadline_s = tokens, compute_s, deadline_s
 
 
 def _described(sample: ProbeSample | None) -> str:

@@ -1,6 +1,7 @@
-"""Whether reading a conversation's KV from D pays, against P computing it: the cost model for "reuse only where
-it pays" (issue 17). Pure; `plan.by_cost` calls `choose` after continuity has said which handle it may send, with
-the rates `rates.py` learns.
+"""Which path a warm turn takes: the cost model for "reuse only where it pays" (issues 17 and 24). Pure;
+`plan.by_path` calls `choose_path` after continuity has said which handle it may send, with the rates `rates.py`
+learns. Three paths: the holder D computes the new suffix itself from its own prefix cache (`local`, no P leg and
+no hand-over); P reads D's KV and computes the suffix (`read`); P computes everything (`recompute`).
 
 What a turn with D's handle costs, on vLLM (measured on an H200, bench/GPU-RESULTS.md):
 - P takes its own prefix-cache hits first and loads only the rest of the handle's tokens from D; so with a handle
@@ -13,6 +14,13 @@ What a turn with D's handle costs, on vLLM (measured on an H200, bench/GPU-RESUL
   `read_missing` when it holds part) or no handle (`recompute`).
 - For that 2.8 B model (36 KiB per token, 63k tokens/s prefill) reading pays above about 2.3 GB/s: it did at
   10.8 GB/s (CUDA IPC, blocks of 128) and did not at 1.6 GB/s (CUDA IPC, blocks of 16) or 0.28 GB/s (TCP).
+
+Local against the P paths (issue 24): on an H200 D alone answered as fast as one engine with its prefix cache,
+2.1-3.8x faster than the P path, whose D leg alone waits 70-160 ms for the hand-over (docs/protocol.md §9). The
+local path is only offered while what D computes stays within `--local-prefill-max-tokens` (D's running streams
+share its steps); within it the choice weighs this turn's time to first token and what the turn costs P's other
+requests: each second P spends on it delays every request P holds (`p_waiting`), so a busy P tips the choice
+towards paths that spend less of P, and at equal time the one that spends less P compute wins.
 
 Rates are learned per P-D pair from the P legs' timings (`rates.py`, with `Rate`), in tokens per second, so the
 KV bytes per token cancel out; vLLM's `vllm:nixl_bytes_transferred` / `vllm:nixl_xfer_time_seconds` give the same
@@ -35,6 +43,8 @@ class CostReason(StrEnum):
     READ_FASTER = "read_faster"
     RECOMPUTE_FASTER = "recompute_faster"
     P_CACHE_HOLDS_HISTORY = "p_cache_holds_history"   # nothing to read, expected: the handle goes along anyway
+    LOCAL_FASTER = "local_faster"                     # D computes the suffix itself sooner (or as soon)
+    P_PATH_FASTER = "p_path_faster"                   # local was allowed, a P path is faster
     RATE_UNKNOWN = "rate_unknown"                     # no transfer seen on this pair yet: read, and learn
     NOTHING_TO_REUSE = "nothing_to_reuse"
 
@@ -62,10 +72,11 @@ class Decision:
     compute_s: float                        # expected time for P to compute them instead
 
 
-def choose(costs: PairCosts, reusable_tokens: int, p_cached_tokens: int, *,
-           margin: float = DEFAULT_MARGIN) -> Decision:
+def choose(costs: PairCosts, reusable_tokens: int, p_cached_tokens: int, *, margin: float = DEFAULT_MARGIN,
+           p_waiting: int = 0) -> Decision:
     """`reusable_tokens`: what D's handle would supply (continuity's verdict); `p_cached_tokens`: the gateway's
-    estimate of how many of them P's prefix cache holds (e.g. the last prompt P served for this conversation)."""
+    estimate of how many of them P's prefix cache holds (e.g. the last prompt P served for this conversation);
+    `p_waiting`: other requests P holds, each delayed by what recomputing spends of P (a read spends none)."""
     if reusable_tokens <= 0:
         return Decision(Choice.RECOMPUTE, CostReason.NOTHING_TO_REUSE, 0, 0, 0.0, 0.0)
     missing = max(0, reusable_tokens - max(0, p_cached_tokens))
@@ -79,9 +90,67 @@ def choose(costs: PairCosts, reusable_tokens: int, p_cached_tokens: int, *,
         return Decision(read_choice, CostReason.RATE_UNKNOWN, reusable_tokens, missing, None, compute)
     compute_s = missing / costs.prefill_tokens_per_s
     read_s = missing / costs.transfer_tokens_per_s + costs.read_overhead_s
-    if read_s * (1 + margin) < compute_s:
+    if read_s * (1 + margin) < compute_s * (1 + p_waiting):
         return Decision(read_choice, CostReason.READ_FASTER, reusable_tokens, missing, read_s, compute_s)
     return Decision(Choice.RECOMPUTE, CostReason.RECOMPUTE_FASTER, 0, 0, read_s, compute_s)
+
+
+class Path(StrEnum):
+    LOCAL = "local"
+    READ = "read"
+    RECOMPUTE = "recompute"
+
+
+@dataclass(frozen=True)
+class TurnShape:
+    """A warm turn, as the path choice sees it."""
+    prompt_tokens: int
+    reusable_tokens: int            # what D's handle supplies to P (continuity's verdict)
+    local_hit_tokens: int           # what the holder D finds in its own prefix cache on the local path
+    p_cached_tokens: int            # the gateway's estimate of P's own prefix-cache hits
+    local_allowed: bool             # this turn's D is the holder, and what it would compute is within the bound
+
+
+@dataclass(frozen=True)
+class PathCosts:
+    """What is known about the engines a warm turn may use."""
+    pair: PairCosts                         # P's prefill rate and the P-D transfer rate
+    decode_prefill_tokens_per_s: float | None = None    # D's own compute rate (None: taken as P's)
+    local_fixed_s: float = 0.0              # a local D leg's fixed part (D's step with its running streams)
+    handover_s: float | None = None         # the P path's D leg: D waiting for P's blocks, to its first token
+    p_queued_tokens: int = 0                # prompt tokens P holds ahead of this turn
+    p_waiting: int = 0                      # requests P holds
+
+
+@dataclass(frozen=True)
+class PathDecision:
+    path: Path
+    reason: CostReason
+    local_s: float | None                   # expected time to first token on each path (None: not estimated)
+    p_path_s: float | None
+
+
+def choose_path(costs: PathCosts, shape: TurnShape, *, margin: float = DEFAULT_MARGIN) -> PathDecision:
+    """Local when it is allowed and at least as cheap as the better P path (within `margin`: at equal time the
+    path that spends no P compute wins); else read or recompute as `choose` decides with P's queue weighed."""
+    p_rate = costs.pair.prefill_tokens_per_s
+    read = choose(costs.pair, shape.reusable_tokens, shape.p_cached_tokens, margin=margin, p_waiting=costs.p_waiting)
+    p_path = Path.READ if read.handle_tokens else Path.RECOMPUTE
+    if not shape.local_allowed:
+        return PathDecision(p_path, read.reason, None, None)
+    if not p_rate or costs.handover_s is None:
+        # Nothing measured of the P path's hand-over (or P's rate): the short suffix goes the short way, as
+        # vLLM's own router does below its bypass threshold; streamed turns teach both.
+        return PathDecision(Path.LOCAL, CostReason.RATE_UNKNOWN, None, None)
+    new_s = (shape.prompt_tokens - shape.reusable_tokens) / p_rate
+    p_seconds = new_s + (read.compute_s if p_path is Path.RECOMPUTE else 0.0)
+    history_s = read.read_s if p_path is Path.READ and read.read_s is not None else read.compute_s
+    p_path_s = costs.p_queued_tokens / p_rate + history_s + new_s + costs.handover_s
+    local_s = costs.local_fixed_s + (shape.prompt_tokens - shape.local_hit_tokens) / (
+        costs.decode_prefill_tokens_per_s or p_rate)
+    if local_s <= (p_path_s + p_seconds * costs.p_waiting) * (1 + margin):
+        return PathDecision(Path.LOCAL, CostReason.LOCAL_FASTER, local_s, p_path_s)
+    return PathDecision(p_path, CostReason.P_PATH_FASTER if p_path is Path.READ else read.reason, local_s, p_path_s)
 
 
 class Rate:

@@ -1,19 +1,21 @@
-"""The turn's plan: reuse (D's whole handle), partial (a truncated handle) or full (no handle), with a reason.
+"""The turn's plan: reuse (P reads D's whole handle), partial (a truncated handle), full (no handle), or local
+(the holder D computes the new suffix itself from its own prefix cache, no P leg), with a reason.
 
-Pure decisions, in one place: `first_plan` from what the store returned and what the prompt rendered to, and
-`replan` for every later change: the legs only report what happened (`Setback`), this module decides what the
-turn does next. No I/O.
+Pure decisions, in one place: `first_plan` from what the store returned and what the prompt rendered to,
+`by_cost` for which of the three paths (local on D, P reading D's KV, P recomputing) is cheapest once the engines
+are picked, and `replan` for every later change: the legs only report what happened (`Setback`), this module
+decides what the turn does next. No I/O.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Literal
 
 from gateway.engines.kv import Handle
 from gateway.turns.reuse.continuity import Fingerprint, check
-from gateway.turns.reuse.cost import CostReason, PairCosts, choose
+from gateway.turns.reuse.cost import CostReason, Path, PathCosts, TurnShape, choose_path
 
 
 Leg = Literal["prefill", "decode"]
@@ -23,6 +25,7 @@ class PlanKind(StrEnum):
     REUSE = "reuse"
     PARTIAL = "partial"
     FULL = "full"
+    LOCAL = "local"
 
 
 class Reason(StrEnum):
@@ -45,6 +48,8 @@ class Reason(StrEnum):
     HANDLE_SHAPE = "handle_shape"
     RECOMPUTE_FASTER = "recompute_faster"           # the cost plan: P computes the history faster than it reads it
     EVICTED = "evicted"                        # D's pin budget released the handle while the conversation idled
+    SHORT_SUFFIX = "short_suffix"              # local: the holder D computes the short new suffix itself
+    P_PATH_FASTER = "p_path_faster"            # within the local bound, but the cost plan found a P path faster
 
 
 @dataclass(frozen=True)
@@ -52,13 +57,18 @@ class Plan:
     kind: PlanKind
     reason: Reason
     reused_tokens: int = 0
-    handle: Handle | None = None        # what P reads D's KV through (None: a full prefill)
+    handle: Handle | None = None        # what P reads D's KV through (None: a full prefill); local: kept unread
     release: Handle | None = None       # a claimed handle this turn will not use: free D's blocks
+    instead: Plan | None = None         # local: the P path it replaced, for when D fails
 
     @property
     def first_leg(self) -> Leg:
-        """The leg the runner starts with: every path prefills on P first."""
-        return "prefill"
+        """The leg the runner starts with: D alone on the local path, P first on every other."""
+        return "decode" if self.kind is PlanKind.LOCAL else "prefill"
+
+    @property
+    def local(self) -> bool:
+        return self.kind is PlanKind.LOCAL
 
 
 def full(reason: Reason, release: Handle | None = None) -> Plan:
@@ -102,20 +112,37 @@ def first_plan(prompt: list[int], claim: Claim) -> Plan:
     return plan_with_handle(prompt, claim.held, claim.handle)
 
 
-# -- whether reading pays (issue 17) ------------------------------------------------------------------------
-def by_cost(plan: Plan, costs: PairCosts, p_cached_tokens: int) -> Plan:
-    """The first plan, or no handle when reading D's KV would not pay (`cost.choose`): P computes the history
-    faster than it reads it. The unused handle is released. Until a rate is known the handle is kept: P reads,
-    and the rates are learned."""
+# -- which path pays (issues 17 and 24) ---------------------------------------------------------------------
+def local_hit(plan: Plan, prompt_tokens: int, block_size: int) -> int:
+    """The prompt tokens the holder D finds in its own prefix cache on the local path: the verified prefix's whole
+    blocks (vLLM caches full blocks only, and always computes a prompt's last token itself)."""
+    return min(plan.reused_tokens, prompt_tokens - 1) // block_size * block_size
+
+
+def to_local(plan: Plan, hit_tokens: int) -> Plan:
+    """The P-path plan as a local one: D alone, its cache holding `hit_tokens` of the prompt."""
+    return Plan(PlanKind.LOCAL, Reason.SHORT_SUFFIX, hit_tokens, plan.handle, instead=plan)
+
+
+def by_path(plan: Plan, costs: PathCosts, shape: TurnShape) -> Plan:
+    """The first plan on the cheapest of the three paths (`cost.choose_path`): local (D computes what its cache
+    lacks; the claimed handle is kept, unread, and released once D has answered), P reading D's KV (the plan as
+    it is), or P recomputing (no handle: it is released). Until a rate is known the handle is kept: the short
+    suffix goes local, a longer one to P, which reads, and the rates are learned."""
     if plan.handle is None:
         return plan
     # P's cache expected to hold it all: P then loads nothing either way, so decide for the case where the
     # estimate is wrong (prefix caching off, evicted), in which P lacks the whole history.
-    expected = p_cached_tokens if p_cached_tokens < plan.reused_tokens else 0
-    decision = choose(costs, plan.reused_tokens, expected)
-    if decision.handle_tokens or decision.reason is CostReason.NOTHING_TO_REUSE:
-        return plan
-    return full(Reason.RECOMPUTE_FASTER, release=plan.handle)
+    if shape.p_cached_tokens >= plan.reused_tokens:
+        shape = replace(shape, p_cached_tokens=0)
+    decision = choose_path(costs, shape)
+    if decision.path is Path.LOCAL:
+        return to_local(plan, shape.local_hit_tokens)
+    if decision.path is Path.RECOMPUTE and decision.reason is not CostReason.NOTHING_TO_REUSE:
+        return full(Reason.RECOMPUTE_FASTER, release=plan.handle)
+    if decision.reason is CostReason.P_PATH_FASTER:
+        return replace(plan, reason=Reason.P_PATH_FASTER)
+    return plan
 
 
 # -- every later change -------------------------------------------------------------------------------------
@@ -137,7 +164,14 @@ class Replan:
 
 def replan(plan: Plan, leg: Leg, setback: Setback) -> Replan:
     """After a leg's setback. Only a refused connection keeps a handle (no engine saw it); anything else may
-    have consumed it, so P is redone without one."""
+    have consumed it, so P is redone without one. A local turn's handle was never read (D only used its own
+    prefix cache): when D fails, P reads it as on the long path, through another D if D is to blame."""
+    if plan.local and plan.instead is not None:
+        if setback is Setback.REFUSED:        # the holder is down: nobody can read its KV
+            return Replan(full(Reason.DECODE_FAILED, release=plan.handle), "prefill", blame=True, costs_retry=True)
+        p_path = plan.instead
+        return Replan(Plan(p_path.kind, Reason.DECODE_FAILED, p_path.reused_tokens, p_path.handle), "prefill",
+                      blame=True, costs_retry=True)
     if setback is Setback.PARITY:
         # P's read of D's KV went with other tokens: its answer is garbage. Redo P without the handle.
         return Replan(full(Reason.PARITY_VIOLATION), "prefill", blame=False, costs_retry=False)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.turns.reuse.cost import PairCosts, Rate
+from gateway.turns.reuse.cost import PairCosts, PathCosts, Rate
 
 # vLLM's connector skips a read of fewer tokens than its recompute threshold (64 by default with bidirectional
 # transfer) and computes them instead: such a leg says nothing about the transfer rate.
@@ -38,6 +38,16 @@ class ProbeSample:
     tokens: int
     compute_s: float
     read_s: float
+
+
+@dataclass(frozen=True)
+class DecodeTiming:
+    """One streamed D leg, to its first token: `local` (D computed `computed` prompt tokens itself) or after a P
+    leg (D waited for P's blocks: the hand-over)."""
+    decode: str                  # D's URL
+    local: bool
+    computed: int
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,8 @@ class Rates:
         self._transfer: dict[tuple[str, str], Rate] = {}
         self._cold: set[str] = set()    # Ps whose cache last held far less than estimated (evicted, or off)
         self._calibrated: dict[tuple[str, str], PairCosts] = {}      # what the pair's last probe measured
+        self._handover: dict[str, Mean] = {}      # per D: first token after P's leg (streamed legs)
+        self._local_fixed: dict[str, Mean] = {}   # per D: a local leg's time beyond computing its tokens
 
     def observe(self, leg: PrefillTiming) -> None:
         reported = leg.cached_tokens if leg.handle_tokens == 0 else None    # see the module's docstring
@@ -90,6 +102,21 @@ class Rates:
         its new part: P's cache was cold (evicted, prefix caching off) and P read the history from D. P's report
         cannot tell on such a leg (it may count loaded tokens as cached), the time can."""
         return prefill_rate is not None and leg.seconds > 2 * computed / prefill_rate + _READ_SEEN_S
+
+    def observe_decode(self, leg: DecodeTiming, prefill_rate: float | None) -> None:
+        """A streamed D leg's first token: the hand-over of the P path, or the fixed part of a local leg (what
+        is left after computing its tokens at P's rate: the same model on the same kind of engine)."""
+        if not leg.local:
+            self._mean(self._handover, leg.decode).observe(leg.seconds)
+        elif prefill_rate:
+            self._mean(self._local_fixed, leg.decode).observe(max(0.0, leg.seconds - leg.computed / prefill_rate))
+
+    def path_costs(self, prefill: str, holder: str, *, p_queued_tokens: int, p_waiting: int) -> PathCosts:
+        """What the three-path choice weighs for this P and the holder D (cost.choose_path)."""
+        handover, fixed = self._handover.get(holder), self._local_fixed.get(holder)
+        return PathCosts(self.costs(prefill, holder), handover_s=handover.value if handover else None,
+                         local_fixed_s=fixed.value if fixed else 0.0, p_queued_tokens=p_queued_tokens,
+                         p_waiting=p_waiting)
 
     def calibrate(self, prefill: str, holder: str, sample: ProbeSample) -> None:
         """A probe's measurement (`calibration.py`) is what the pair's costs say until the next one: marginal
@@ -124,6 +151,12 @@ class Rates:
         rate = self._prefill.get(prefill)
         return rate.value if rate else None
 
+    def any_prefill_rate(self) -> float | None:
+        """The best known P prefill rate: D runs the same model on the same kind of engine (a local leg's rate)."""
+        known = [r.value for r in self._prefill.values() if r.value] + \
+            [c.prefill_tokens_per_s for c in self._calibrated.values() if c.prefill_tokens_per_s]
+        return max(known) if known else None
+
     def warm_tokens(self, prefill: str, previous_prefill: str, previous_held: int, *, trusted: bool = True) -> int:
         """How many of the conversation's held tokens P's prefix cache holds, as far as the gateway can tell: P
         served the last turn, so it holds that turn's prompt, which is all D holds but the last answer (a
@@ -150,3 +183,20 @@ class Rates:
         if key not in rates:
             rates[key] = Rate(self.weight)
         return rates[key]
+
+    def _mean(self, means: dict[str, Mean], key: str) -> Mean:
+        if key not in means:
+            means[key] = Mean(self.weight)
+        return means[key]
+
+
+class Mean:
+    """An exponentially weighted mean of seconds."""
+
+    def __init__(self, weight: float) -> None:
+        self.weight, self.value = weight, 0.0
+        self._seen = False
+
+    def observe(self, seconds: float) -> None:
+        self.value = seconds if not self._seen else self.value + self.weight * (seconds - self.value)
+        self._seen = True

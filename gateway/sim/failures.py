@@ -1,0 +1,21 @@
+"""How a simulated engine ends a request it cannot serve: the errors `engine.py` raises and `serving.py` answers."""
+
+from __future__ import annotations
+
+
+class RequestFailed(Exception):
+    """The engine ended the request with an error: HTTP 500 (or an SSE error event once streaming)."""
+
+
+class KVLoadError(RequestFailed):
+    """A KV load failed (or was declined) under `kv_load_failure_policy: fail`."""
+
+
+class KVLoadParked(Exception):
+    """A P's read of D's blocks was declined (expiry margin) under `recompute`: real vLLM 0.32 never schedules
+    the request again; it waits until the client goes away (docs/vllm-findings.md)."""
+
+
+class PushLegError(RequestFailed):
+    """A push-mode D leg lacks a field vLLM reads with `params[...]` (nixl/push_scheduler.py:184-187): a KeyError
+    in D's scheduler, which probably takes vLLM's engine down (docs/protocol.md §8.2); the sim answers HTTP 500."""

@@ -1,0 +1,94 @@
+"""The local path (issue 24): a warm turn whose new suffix is short goes to the D that holds the conversation's
+KV, alone; D finds the history in its own prefix cache and computes only what it lacks. Every answer is compared
+with a co-located engine given the same conversation, and the simulator's oracle checks every KV slot used."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from tests.e2e.chat import Chat
+from tests.e2e.stack import stack
+
+pytestmark = pytest.mark.integration
+
+BLOCK = 16
+LONG_ANSWERS = ["--output-tokens", "80:120"]
+
+
+def topic(i: int) -> str:
+    return f"Question {i}: what should a careful engineer check before shipping change number {i} to users?"
+
+
+@pytest.fixture(scope="module")
+def pd():
+    with stack(sim=LONG_ANSWERS, local=True, decodes=2) as s:
+        yield s
+
+
+def totals(pd, engines, key: str) -> int:
+    return sum(pd.stats(e)[key] for e in engines)
+
+
+def test_short_suffixes_are_computed_by_the_holder_alone(pd):
+    chat = Chat(pd, uuid.uuid4().hex)
+    for i in range(8):
+        p_before = totals(pd, pd.prefill, "prompt_tokens_computed")
+        d_cached, d_computed = totals(pd, pd.decode, "prompt_tokens_cached"), totals(pd, pd.decode,
+                                                                                     "prompt_tokens_computed")
+        turn = chat.say(topic(i), stream=i % 2 == 1)
+        assert turn.text == turn.expected, f"turn {i + 1} differs from a single engine"
+        if i == 0:
+            assert (turn.plan, turn.reason) == ("full", "first_turn")
+            continue
+        previous = chat.turns[i - 1]
+        held = previous.prompt_tokens + previous.completion_tokens - 1
+        assert (turn.plan, turn.reason) == ("local", "short_suffix")
+        assert turn.reused == held // BLOCK * BLOCK            # D's cache holds whole blocks only
+        # no P leg: P computes only the old handle's release, a zero-token read with a one-token prompt
+        assert totals(pd, pd.prefill, "prompt_tokens_computed") - p_before <= 1
+        assert totals(pd, pd.decode, "prompt_tokens_cached") - d_cached == turn.reused
+        assert totals(pd, pd.decode, "prompt_tokens_computed") - d_computed == turn.prompt_tokens - turn.reused
+    assert pd.total("kv_reads_corrupt") == 0
+    assert pd.metric("pdgw_turns_total", plan="local", reason="short_suffix") >= 7
+    # the old handle goes once D's new request holds its blocks: only the last turn's stays pinned
+    pd.wait_until(lambda: totals(pd, pd.decode, "handles_pinned") + totals(pd, pd.decode, "handles_leased_now")
+                  <= 1)
+
+
+def test_a_suffix_over_the_bound_takes_the_p_path(pd):
+    chat = Chat(pd, uuid.uuid4().hex)
+    chat.say(topic(0))
+    long_question = " ".join(f"word{i} and more words to read" for i in range(120))   # far over 256 tokens
+    turn = chat.say(long_question)
+    assert (turn.plan, turn.reason) == ("reuse", "continuous") and turn.text == turn.expected
+    turn = chat.say(topic(2))          # and the turn after reads what that P path left on D
+    assert turn.plan == "local" and turn.text == turn.expected
+    assert pd.total("kv_reads_corrupt") == 0
+
+
+def test_sessionless_turns_go_local_too(pd):
+    messages = [{"role": "user", "content": topic(0)}]
+    client = pd.client()
+    plans = []
+    for i in range(1, 4):
+        raw = client.chat.completions.with_raw_response.create(model="demo", messages=messages, max_tokens=200)
+        out = raw.parse()
+        plans.append((raw.headers["x-pd-plan"], raw.headers["x-pd-conversation"]))
+        expected = pd.baseline_client().chat.completions.create(model="demo", messages=messages, max_tokens=200)
+        assert out.choices[0].message.content == expected.choices[0].message.content
+        messages += [{"role": "assistant", "content": out.choices[0].message.content},
+                     {"role": "user", "content": topic(i)}]
+    assert plans[0] == ("full", "new") and plans[1:] == [("local", "prefix")] * 2
+    assert pd.total("kv_reads_corrupt") == 0
+
+
+def test_an_edited_history_goes_local_on_the_common_blocks(pd):
+    chat = Chat(pd, uuid.uuid4().hex)
+    for i in range(3):
+        chat.say(topic(i))
+    chat.messages[-2]["content"] = chat.messages[-2]["content"].rsplit(" ", 3)[0]     # the last answer, cut
+    turn = chat.ask()
+    assert turn.plan == "local" and turn.text == turn.expected
+    assert pd.total("kv_reads_corrupt") == 0
