@@ -30,6 +30,7 @@ HELP = {
     "decode_pin_budget": "fraction of each D's KV blocks the stored handles may pin; over it the least recently used idle ones are released (0: off, TTL only)",
     "stream_handle_policy": "when D streams without its handle: miss (count it) or buffer (non-streamed D leg, re-streamed)",
     "history_tokens": "generated (default: past answers as D's own ids) or rendered (as their text, re-encoded)",
+    "local_prefill_max_tokens": "the local path: a warm turn goes to the D holding its KV alone when D would compute at most this many prompt tokens (0: off)",
     "decode_load_bound": "outstanding requests above which a conversation leaves its D",
     "reuse_policy": "cost: send D's handle only where P reading it beats recomputing (learned rates); always",
     "rate_probe_tokens": "under reuse_policy cost: tokens of the calibration read per P-D pair at start-up and after (0: none, rates learned from turns only)",
