@@ -27,7 +27,6 @@ import statistics
 import sys
 import time
 import uuid
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +35,23 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import asyncio  # noqa: E402
+import gc  # noqa: E402
+
+import msgspec  # noqa: E402
+
 from bench.compare import _common_prefix, _delta, _phase_means, p_stats, reset  # noqa: E402
+from gateway.api import responses as responses_api  # noqa: E402
+from gateway.api.schemas import ChatRequest, parse  # noqa: E402
+from gateway.store import MemoryConversationStore  # noqa: E402
+from gateway.telemetry import Metrics  # noqa: E402
+from gateway.turns.intake.continued import Continuation  # noqa: E402
+from gateway.turns.intake.generated import remember  # noqa: E402
+from gateway.turns.intake.intake import Intake  # noqa: E402
+from gateway.turns.intake.messages import MessageCache  # noqa: E402
+from gateway.turns.intake.render import Renderer  # noqa: E402
+from gateway.turns.legs.capture import DecodeCapture  # noqa: E402
+from gateway.turns.state.responses import StoredResponses  # noqa: E402
 from bench.servers import Servers, metrics  # noqa: E402
 from tests.e2e.agent import AGENT_SIM, add_tool_deltas, system_prompt, tool_result, tools  # noqa: E402
 
@@ -55,34 +70,11 @@ class StepResult:
     prompt_tokens: int = 0            # Responses arm: its prompt's length (from usage)
 
 
-class StepClock:
-    """All agents start each step together; between steps, the gateway's intake histogram is read, so each
-    step's mean intake time is known."""
-
-    def __init__(self, url: str, agents: int) -> None:
-        self.url, self.sums, self.counts = url, [], []
-        self.barrier = threading.Barrier(agents, action=self._snapshot)
-
-    def _snapshot(self) -> None:
-        m = metrics(self.url)
-        self.sums.append(m.get('pdgw_turn_seconds_sum{phase="intake"}', 0.0))
-        self.counts.append(m.get('pdgw_turn_seconds_count{phase="intake"}', 0.0))
-
-    def wait(self) -> None:
-        self.barrier.wait()
-
-    def per_step_ms(self) -> list[float]:
-        self._snapshot()
-        return [(self.sums[i + 1] - self.sums[i]) / max(1.0, self.counts[i + 1] - self.counts[i]) * 1e3
-                for i in range(len(self.sums) - 1)]
-
-
 @dataclass
 class Agent:
     url: str
     index: int
     session: str | None
-    clock: StepClock | None = None
     tool_defs: list[dict] = field(default_factory=tools)
 
     def run(self, steps: int) -> list[StepResult]:
@@ -93,8 +85,6 @@ class Agent:
         headers = {"X-Session-Id": self.session} if self.session else {}
         with httpx.Client(timeout=300) as http:
             for _ in range(steps):
-                if self.clock is not None:
-                    self.clock.wait()
                 step, content, calls = self._step(http, headers, messages)
                 out.append(step)
                 messages.append({"role": "assistant", "content": content or None,
@@ -136,7 +126,6 @@ class ResponsesAgent:
     each later step only its tool results (or "Go on.") with `previous_response_id`, streamed."""
     url: str
     index: int
-    clock: StepClock | None = None
     tool_defs: list[dict] = field(default_factory=lambda: [{"type": "function", **t["function"]} for t in tools()])
 
     def run(self, steps: int) -> list[StepResult]:
@@ -146,8 +135,6 @@ class ResponsesAgent:
         previous, held, out = None, 0, []
         with httpx.Client(timeout=300) as http:
             for _ in range(steps):
-                if self.clock is not None:
-                    self.clock.wait()
                 body = {"model": "demo", "instructions": instructions, "input": new, "tools": self.tool_defs,
                         "stream": True, "max_output_tokens": 400, "previous_response_id": previous}
                 ttft, plan, final = self._step(http, body)
@@ -183,23 +170,81 @@ def run_arm(url: str, engines: list, prefills: int, agents: int, steps: int, ses
     reset(*engines)
     before = metrics(url)
     run = uuid.uuid4().hex[:8]
-    clock = StepClock(url, agents)
-    make = (lambda i: ResponsesAgent(url, i, clock)) if responses else \
-        (lambda i: Agent(url, i, f"{run}-a{i}" if sessions else None, clock))
+    make = (lambda i: ResponsesAgent(url, i)) if responses else \
+        (lambda i: Agent(url, i, f"{run}-a{i}" if sessions else None))
     with ThreadPoolExecutor(agents) as pool:
         results = list(pool.map(lambda i: make(i).run(steps), range(agents)))
     stats = p_stats(engines[:prefills])
     first = sum(len(r[0].prompt_ids) or r[0].new_tokens for r in results)
     ideal = sum(_new(r, i) for r in results for i in range(1, len(r)))
-    intake = clock.per_step_ms()
     by_step = [statistics.fmean(r[i].ttft_s for r in results) * 1e3 for i in range(steps)]
     return {"ttft_by_step_ms": by_step, "ttft_later_ms": statistics.fmean(by_step[1:]),
             "computed_later": stats["prompt_tokens_computed"] - first, "ideal_later": ideal,
             "last_prompt": statistics.fmean(len(r[-1].prompt_ids) or r[-1].prompt_tokens for r in results),
-            "intake_by_step_ms": intake, "intake_growth": _growth(intake),
             "loaded": stats["prompt_tokens_loaded"], "cached": stats["prompt_tokens_cached"],
             "corrupt": stats["kv_reads_corrupt"], "phases": _phase_means(_delta(before, metrics(url))),
             "plans": sorted({s.plan for r in results for s in r[1:]})}
+
+
+INTAKE_ROUNDS = 3
+
+
+def intake_by_step(steps: int) -> dict[str, list[float]]:
+    """CPU ms per step of intake, chat arm vs Responses arm, median of INTAKE_ROUNDS runs (see intake_run)."""
+    runs = [intake_run(steps, seed) for seed in range(INTAKE_ROUNDS)]
+    return {arm: [statistics.median(r[arm][i] for r in runs) for i in range(steps)] for arm in ("chat", "responses")}
+
+
+def intake_run(steps: int, seed: int) -> dict[str, list[float]]:
+    """One agent in process: per step, the chat request (the whole history) through parse + Intake.chat + the
+    history as D's ids, and the Responses request (the new items) through parse + load + Continuation.turn. D's
+    answer is a tool call (hermes, as the simulator writes it); the tool results are the agent's."""
+    renderer = Renderer("builtin:demo")
+    intake = Intake(renderer, ["demo"], max_model_len=1 << 20)
+    continuation, cache = Continuation(intake), MessageCache()
+    stored, loop = StoredResponses(MemoryConversationStore(), Metrics()), asyncio.new_event_loop()
+    rng, tok, clock = random.Random(seed), renderer.tokenizer, time.process_time
+    system, chat_tools = f"agent {seed}. " + system_prompt(), tools()
+    functions = [{"type": "function", **t["function"]} for t in chat_tools]
+    task = f"Task {seed}: audit the river stone market."
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": task}]
+    new: object = task
+    answers, previous, out = [], None, {"chat": [], "responses": []}
+    gc.collect()
+    for step in range(steps):
+        name = chat_tools[step % len(chat_tools)]["function"]["name"]
+        call = {"id": f"call_{seed}_{step}", "type": "function",
+                "function": {"name": name, "arguments": json.dumps({"query": f"q {step}"})}}
+        generated = f'<tool_call>\n{{"name": "{name}", "arguments": {{"query": "q {step}"}}}}\n</tool_call>'
+        output = [*tok.encode(generated, add_special_tokens=False), tok.eos_token_id]
+        raw = msgspec.json.encode({"model": "demo", "messages": messages, "tools": chat_tools, "stream": True,
+                                   "max_tokens": 400})
+        t0 = clock()
+        body, req = parse(raw, ChatRequest, cache=cache)
+        turn = intake.chat(body, req, "bench")
+        if answers:
+            turn.prompt_ids = turn.rerender(answers)
+        out["chat"].append((clock() - t0) * 1e3)
+        answer = renderer.answer(output, "", [call])
+        answers = remember(answers, answer) if answer else answers
+        raw = msgspec.json.encode({"model": "demo", "instructions": system, "input": new, "tools": functions,
+                                   "stream": True, "max_output_tokens": 400, "previous_response_id": previous})
+        t0 = clock()
+        rreq = responses_api.parse_request(raw)
+        rbody, rparsed = parse(msgspec.json.encode(responses_api.chat_body(rreq, "demo")), ChatRequest, cache=cache)
+        prev = loop.run_until_complete(stored.load("bench", previous)) if previous else None
+        rturn, thread = continuation.turn(prev, system, rbody, rparsed, "bench")
+        out["responses"].append((clock() - t0) * 1e3)
+        capture = DecodeCapture(prompt_ids=rturn.prompt_ids, output_ids=output, output_ids_seen=True,
+                                finish_reason="tool_calls", tool_calls=[{"id": call["id"], "function": call["function"]}])
+        previous = responses_api.new_id("resp")
+        loop.run_until_complete(stored.save("bench", previous, "chain", rturn, thread, capture, b"{}"))
+        result = tool_result(rng, call)
+        messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": call["id"], "content": result}]
+        new = [{"type": "function_call_output", "call_id": call["id"], "output": result}]
+    loop.close()
+    return out
 
 
 def _growth(per_step: list[float]) -> float:
@@ -216,7 +261,8 @@ def _new(steps: list[StepResult], i: int) -> int:
     return len(steps[i].prompt_ids) - common
 
 
-def report(arms: dict[str, dict], agents: int, steps: int, wall_s: float) -> tuple[str, str]:
+def report(arms: dict[str, dict], agents: int, steps: int, wall_s: float,
+           intake: dict[str, list[float]]) -> tuple[str, str]:
     names = list(arms)
     lines = [SECTION, "",
              f"2 P + 1 D. {agents} agents at once, {steps} streamed steps each: an ~8k-token system prompt with 16 tools, then "
@@ -234,9 +280,6 @@ def report(arms: dict[str, dict], agents: int, steps: int, wall_s: float) -> tup
             "mean last prompt (tokens)": [f"{a['last_prompt']:.0f}" for a in arms.values()],
             "plans, steps >= 2": [", ".join(a["plans"]) for a in arms.values()],
             "corrupt KV reads": [str(a["corrupt"]) for a in arms.values()],
-            "intake ms, steps 2-6 / last 5 (growth)": [
-                f"{statistics.fmean(a['intake_by_step_ms'][1:6]):.2f} / {statistics.fmean(a['intake_by_step_ms'][-5:]):.2f} "
-                f"({a['intake_growth']:.2f}x)" for a in arms.values()],
             "gateway phases, mean ms": [a["phases"] for a in arms.values()]}
     lines += [f"| {k} | " + " | ".join(v) + " |" for k, v in rows.items()]
     marks = sorted({0, 1, 4, 9, 19, steps - 1} & set(range(steps)))
@@ -244,17 +287,23 @@ def report(arms: dict[str, dict], agents: int, steps: int, wall_s: float) -> tup
               "|---" * (len(names) + 1) + "|"]
     lines += [f"| {i + 1} | " + " | ".join(f"{a['ttft_by_step_ms'][i]:.0f}" for a in arms.values()) + " |"
               for i in marks]
-    lines += ["", "Gateway intake by step (ms, `pdgw_turn_seconds{phase=\"intake\"}` mean over agents, all agents at "
-              "one step at a time):", "", "| step | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-    lines += [f"| {i + 1} | " + " | ".join(f"{a['intake_by_step_ms'][i]:.2f}" for a in arms.values()) + " |"
-              for i in marks]
+    by_step = intake
+    lines += ["", f"Intake CPU by step (ms, in process, no engines: the same agent's requests, `parse` + rendering as "
+              f"the handler runs them, the Responses arm's previous response loaded from the embedded store; median of "
+              f"{INTAKE_ROUNDS} runs; the collector on):", "", "| step | chat (`/v1/chat/completions`, history generated) | "
+              "Responses (`previous_response_id`) |", "|---|---|---|"]
+    lines += [f"| {i + 1} | {by_step['chat'][i]:.3f} | {by_step['responses'][i]:.3f} |"
+              for i in sorted({0, 1, 4, 9, 19, len(by_step['chat']) - 1} & set(range(len(by_step['chat']))))]
+    lines += ["", f"Growth, mean of the last 5 steps over steps 2-6: chat {_growth(by_step['chat']):.2f}x, Responses "
+              f"{_growth(by_step['responses']):.2f}x.", ""]
     a = list(arms.values())
     final = (f"agent_loop: ttft_later_ms_generated={a[0]['ttft_later_ms']:.0f} rendered={a[1]['ttft_later_ms']:.0f} "
              f"stateless={a[2]['ttft_later_ms']:.0f} computed_over_ideal_generated="
              f"{a[0]['computed_later'] / max(1, a[0]['ideal_later']):.3f} "
              f"rendered={a[1]['computed_later'] / max(1, a[1]['ideal_later']):.3f} "
              f"responses_computed_over_ideal={a[3]['computed_later'] / max(1, a[3]['ideal_later']):.3f} "
-             f"intake_last_over_second_chat={a[0]['intake_growth']:.2f} responses={a[3]['intake_growth']:.2f}")
+             f"intake_last_over_second_chat={_growth(intake['chat']):.2f} responses={_growth(intake['responses']):.2f}")
+    lines += ["```", final, "```"]
     return "\n".join(lines) + "\n", final
 
 
@@ -288,7 +337,7 @@ def main(argv: list[str] | None = None) -> str:
                 "stateless PD (no session)": run_arm(generated.url, engines, 2, agents, steps, False),
                 "Responses API (previous_response_id)": run_arm(generated.url, engines, 2, agents, steps, True,
                                                                 responses=True)}
-    text, final = report(arms, agents, steps, time.perf_counter() - began)
+    text, final = report(arms, agents, steps, time.perf_counter() - began, intake_by_step(steps))
     if args.out != "-":
         record(Path(args.out), text)
     print(text)
