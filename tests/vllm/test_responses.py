@@ -21,8 +21,13 @@ WORDS = "river stone market signal garden window bridge castle forest ocean vall
 def test_a_responses_conversation_continues_d_s_kv(engines, gateway):
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     instructions = f"Conversation {uuid.uuid4().hex[:12]}. Answer briefly."
-    first = "Here are my notes: " + " ".join(WORDS[i % len(WORDS)] for i in range(260)) + ". What do they say?"
-    questions = [first, "And why is that?", "Tell me one more thing."]
+    # Each turn's new text is longer than --local-prefill-max-tokens (256): the P path, where P reads D's KV (a
+    # shorter one would go to D alone, the local path, tests/vllm/test_local.py).
+    def notes(n: int) -> str:
+        return " ".join(WORDS[(i * 7 + n) % len(WORDS)] for i in range(120))   # about 320 tokens of the tiny model
+
+    questions = [f"Here are my notes: {notes(0)}. What do they say?", f"More notes: {notes(1)}. And why?",
+                 f"Last notes: {notes(2)}. Tell me one more thing."]
     history = [{"role": "system", "content": instructions}]
     turns, previous = [], None
     for i, question in enumerate(questions):
