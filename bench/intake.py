@@ -10,14 +10,21 @@ again with past answers as D's ids, history_tokens "generated"), `legs` (both le
 CPU (process time) per turn over turns >= 2, mean of the rounds' means; the modes and histories take turns
 within each round. Two shapes of history: one long system prompt (1k vs 32k tokens, as compare.py's section 2)
 and many messages (11 vs 301 messages of ~100 tokens). Writes its section into RESULTS.md (after compare.py,
-which rewrites the file). Last line:
+which rewrites the file). Then Responses API turns that continue `previous_response_id` over a 1k vs 32k-token
+history (the first turn's input): `parse` (the Responses body, its chat body, api/schemas.py), `continue` (the
+stored response loaded from the embedded store, its ids from this process's cache, and the new items rendered at
+the template's boundary: turns/intake/continued.py), `legs` as above; intake = parse + continue. Last line:
     intake: cpu_32k_vs_1k=X whole_cpu_32k_vs_1k=Y ms_32k=A whole_ms_32k=B many_vs_few=C whole_many_vs_few=D
+        responses_cpu_32k_vs_1k=E responses_ms_32k=F responses_nogc_32k_vs_1k=G
+(G: with the garbage collector off while those turns run. `--only responses`: that part alone, its own last
+line `intake: responses_...`.)
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import random
 import statistics
@@ -33,7 +40,15 @@ if str(ROOT) not in sys.path:
 
 from bench.agent_loop import record  # noqa: E402
 from bench.workload import words  # noqa: E402
+import asyncio  # noqa: E402
+
+from gateway.api import responses as responses_api  # noqa: E402
 from gateway.api.schemas import ChatRequest, parse  # noqa: E402
+from gateway.store import MemoryConversationStore  # noqa: E402
+from gateway.telemetry import Metrics  # noqa: E402
+from gateway.turns.intake.continued import Continuation  # noqa: E402
+from gateway.turns.legs.capture import DecodeCapture  # noqa: E402
+from gateway.turns.state.responses import StoredResponses  # noqa: E402
 from gateway.engines.client import _encode  # noqa: E402
 from gateway.turns.intake.generated import answer, remember  # noqa: E402
 from gateway.turns.intake.intake import Intake  # noqa: E402
@@ -94,6 +109,74 @@ def run(mode: Mode, shape: str, conversations: int, turns: int, seed: int) -> di
 
 
 SECTION = "## 7. Intake CPU per turn by history (`bench/intake.py`)"
+RESPONSE_STAGES = ("parse", "continue", "legs")
+RESPONSE_SHAPES = {"1k": 1000, "32k": 32000}
+
+
+def responses_run(mode: Mode, shape: str, conversations: int, turns: int, seed: int) -> dict[str, float]:
+    """Mean CPU ms per previous_response_id turn and stage over turns >= 2: as the handler runs them
+    (api/responses_routes.py), the previous response loaded from the embedded store."""
+    rng = random.Random(seed)
+    continuation, tokenize = Continuation(mode.intake), mode.renderer.tokenizer
+    stored = StoredResponses(MemoryConversationStore(), Metrics())
+    loop = asyncio.new_event_loop()
+    previous_ids: list[str | None] = [None] * conversations
+    spent = {stage: [] for stage in RESPONSE_STAGES}
+    clock = time.process_time
+    for turn in range(turns):
+        for c in range(conversations):
+            text = words(rng, RESPONSE_SHAPES[shape]) if turn == 0 else words(rng, NEW_TOKENS)
+            raw = msgspec.json.encode({"model": "demo", "instructions": f"conversation {seed}-{c}. Be brief.",
+                                       "input": text, "stream": True, "max_output_tokens": 64,
+                                       "previous_response_id": previous_ids[c]})
+            t0 = clock()
+            req = responses_api.parse_request(raw)
+            body, parsed = parse(msgspec.json.encode(responses_api.chat_body(req, "demo")), ChatRequest,
+                                 cache=mode.cache)
+            t1 = clock()
+            previous = loop.run_until_complete(stored.load("bench", req.previous_response_id)) \
+                if req.previous_response_id else None
+            request, thread = continuation.turn(previous, req.instructions, body, parsed, "bench")
+            t2 = clock()
+            _encode(prefill_body(request, None))
+            _encode(decode_body(request, None))
+            t3 = clock()
+            if turn >= 1:
+                for stage, seconds in zip(RESPONSE_STAGES, (t1 - t0, t2 - t1, t3 - t2)):
+                    spent[stage].append(seconds * 1e3)
+            answer_text = words(rng, NEW_TOKENS)           # D's answer, its ids as the tokenizer gives them
+            output = [*tokenize.encode(answer_text, add_special_tokens=False), tokenize.eos_token_id]
+            capture = DecodeCapture(prompt_ids=request.prompt_ids, output_ids=output, output_ids_seen=True,
+                                    finish_reason="stop", text=[answer_text])
+            response_id = responses_api.new_id("resp")
+            loop.run_until_complete(stored.save("bench", response_id, previous.session if previous else response_id,
+                                                request, thread, capture, b"{}"))
+            previous_ids[c] = response_id
+        if turn == 0:
+            gc.collect()     # the first turns' 32k-token inputs, collected before measuring, not in a later turn
+    loop.close()
+    return {stage: statistics.fmean(values) for stage, values in spent.items()}
+
+
+def responses_report(table: dict[str, dict[str, float]]) -> tuple[list[str], str]:
+    def intake(shape: str) -> float:
+        return table[shape]["parse"] + table[shape]["continue"]
+
+    lines = ["", "Responses API turns continuing `previous_response_id` (CPU ms per turn over turns >= 2; intake = "
+             "parse + continue):", "",
+             "| history | " + " | ".join(f"{s} ms" for s in RESPONSE_STAGES) + " | intake ms |",
+             "|---|" + "---|" * (len(RESPONSE_STAGES) + 1)]
+    for shape, stages in table.items():
+        lines.append(f"| {shape} | " + " | ".join(f"{stages[s]:.3f}" for s in RESPONSE_STAGES)
+                     + f" | {intake(shape):.3f} |")
+    final = (f"responses_cpu_32k_vs_1k={intake('32k') / intake('1k'):.3f} responses_ms_32k={intake('32k'):.3f} "
+             f"responses_nogc_32k_vs_1k={intake('32k, collector off') / intake('1k, collector off'):.3f}")
+    lines += ["", "`collector off`: the same turns with Python's garbage collector disabled while they run. A turn's "
+              "own intake work does not grow with the history (nothing of it is copied, decoded or encoded again: "
+              "tests/unit/test_continued.py); what differs is the collector and the caches, evicted by the same "
+              "turns' O(history) copies after intake (the legs' JSON, the stored response): `parse`, the same "
+              "work at both lengths, differs alike."]
+    return lines, final
 
 
 def report(table: dict[tuple[str, str], dict[str, float]], args: argparse.Namespace) -> tuple[str, str]:
@@ -125,9 +208,28 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--conversations", type=int, default=12)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", choices=["responses"], help="run only the Responses API part (prints, writes nothing)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "RESULTS.md"), help="'-': nowhere")
     args = ap.parse_args(argv)
     modes = {"continued": Mode(True), "whole": Mode(False)}
+    by_shape: dict[str, list[dict[str, float]]] = {}
+    for collector in (True, False):
+        for round_ in range(args.rounds):
+            for shape in RESPONSE_SHAPES:
+                if not collector:
+                    gc.disable()
+                try:
+                    result = responses_run(modes["continued"], shape, args.conversations, args.turns, 1000 + round_)
+                finally:
+                    gc.enable()
+                by_shape.setdefault(shape if collector else f"{shape}, collector off", []).append(result)
+    responses = {shape: {stage: statistics.fmean(r[stage] for r in rounds) for stage in RESPONSE_STAGES}
+                 for shape, rounds in by_shape.items()}
+    response_lines, response_final = responses_report(responses)
+    if args.only == "responses":
+        print("\n".join(response_lines))
+        print(f"intake: {response_final}")
+        return response_final
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
     for round_ in range(args.rounds):
         for shape in SHAPES:
@@ -137,6 +239,9 @@ def main(argv: list[str] | None = None) -> str:
     table = {key: {stage: statistics.fmean(r[stage] for r in rounds) for stage in STAGES}
              for key, rounds in sorted(results.items(), key=lambda kv: list(SHAPES).index(kv[0][1]))}
     text, final = report(table, args)
+    final = f"{final} {response_final}"
+    text = text.replace("```\n", "", 1).rsplit("```", 1)[0].rstrip().rsplit("\n", 1)[0]     # the block goes last
+    text = "\n".join([text.rstrip("\n"), *response_lines, "", "```", final, "```", "", ""])
     if args.out != "-":
         record(Path(args.out), text, SECTION)
     print(text)

@@ -18,6 +18,8 @@ from litestar.di import Provide
 from gateway.api.admin import ADMIN_ROUTES
 from gateway.api.auth import ApiKeys
 from gateway.api.errors import HANDLERS
+from gateway.api.messages_routes import MESSAGES_ROUTES
+from gateway.api.responses_routes import RESPONSES_ROUTES
 from gateway.api.routes import ROUTES, Gateway
 from gateway.config import Settings
 from gateway.engines.client import EngineClient
@@ -32,11 +34,13 @@ from gateway.tracing import Tracing, start_tracing
 from gateway.turns.legs.calibration import PROBE_TEXT, RateProbe
 from gateway.turns.legs.calls import EngineCalls
 from gateway.turns.admin import ConversationAdmin, EngineAdmin
+from gateway.turns.intake.continued import Continuation
 from gateway.turns.intake.intake import Intake
 from gateway.turns.legs.release import HandleReleaser
 from gateway.turns.intake.render import Renderer
 from gateway.turns.state.budget import PinBudget
 from gateway.turns.state.pins import PinLedger
+from gateway.turns.state.responses import StoredResponses
 from gateway.turns.state.state import ConversationState
 from gateway.turns.runner import TurnRunner
 
@@ -55,7 +59,7 @@ def create_app(settings: Settings, tracing: Tracing | None = None,
         raise ValueError("at least one --prefill and one --decode engine are needed")
     tracing = tracing or start_tracing(settings.tracing, settings.otlp_endpoint)
     return Litestar(
-        route_handlers=[*ROUTES, *ADMIN_ROUTES],
+        route_handlers=[*ROUTES, *RESPONSES_ROUTES, *MESSAGES_ROUTES, *ADMIN_ROUTES],
         exception_handlers=HANDLERS,
         state=State({"api_keys": ApiKeys.from_settings(settings), "settings": settings}),
         dependencies={name: Provide(_from_state(name), sync_to_thread=False) for name in _PROVIDED},
@@ -90,7 +94,8 @@ async def _lifespan(app: Litestar, settings: Settings, tracing: Tracing,
                               report.max_model_len)
         runner = _runner(client, prefill, decode, store, state.metrics, settings, block_size,
                          models[0] if models else "", tracing, renderer)
-        state.gateway = Gateway(state.api_keys, state.intake, state.metrics, runner, settings)
+        state.gateway = Gateway(state.api_keys, state.intake, state.metrics, runner, settings,
+                                StoredResponses(store, state.metrics), Continuation(state.intake))
         state.conversations = ConversationAdmin(store, runner.releaser, runner.state.pins)
         state.readiness = lambda: _readiness(store, prefill, decode)
         registry = EngineRegistry(prefill, decode, health, state.metrics)

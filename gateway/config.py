@@ -21,6 +21,11 @@ import yaml
 DEFAULT_PORT = 8000
 DEFAULT_TOKENIZER = "builtin:demo"
 DEFAULT_SESSION_HEADER = "X-Session-Id"
+# Session ids that coding agents send of their own accord (docs/operations.md#agent-harness-session-ids): Dynamo's
+# canonical header, Claude Code, Codex CLI (session_id; newer: session-id, thread-id), OpenCode (its own providers'
+# header; for other providers it sends X-Session-Id, the default --session-header).
+DEFAULT_AGENT_SESSION_HEADERS = ["X-Dynamo-Session-Id", "X-Claude-Code-Session-Id", "session_id", "session-id",
+                                 "thread-id", "x-opencode-session"]
 DEFAULT_DECODER_KV_BLOCKS_TTL_S = 480.0
 DEFAULT_HANDLE_TTL_MARGIN_S = 30.0
 DEFAULT_DECODE_KV_LEASE_S = 30.0           # vLLM's kv_lease_duration default
@@ -63,6 +68,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None                      # served name; None: ask the engines
     block_size: PositiveInt | None = None         # None: read vllm:cache_config_info from the engines
     session_header: str = DEFAULT_SESSION_HEADER
+    agent_session_headers: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_AGENT_SESSION_HEADERS))
     conversation_lookup: ConversationLookup = "both"  # session id, token prefix (no session id), or both
     decoder_kv_blocks_ttl_s: NonNegativeSeconds = DEFAULT_DECODER_KV_BLOCKS_TTL_S
     decode_kv_lease_s: NonNegativeSeconds = DEFAULT_DECODE_KV_LEASE_S  # D's kv_lease_duration (local-turn handles)
@@ -113,6 +119,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                              "or no stored handle would ever be usable")
         if not re.fullmatch(r"[A-Za-z0-9-]+", self.session_header):
             raise ValueError(f"session_header: {self.session_header!r} is not an HTTP header name")
+        for name in self.agent_session_headers:
+            if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+                raise ValueError(f"agent_session_headers: {name!r} is not an HTTP header name")
 
     @property
     def handle_ttl_s(self) -> float:

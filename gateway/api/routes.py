@@ -17,20 +17,21 @@ from gateway.api.auth import ApiKeys
 from gateway.api.events import EventStream
 from gateway.api.openapi import openapi_json
 from gateway.api.schemas import ChatRequest, CompletionRequest, parse
+from gateway.api.sessions import session_id
 from gateway.config import Settings
-from gateway.errors import InvalidRequestError
 from gateway.telemetry import Metrics
 from gateway.turns.intake.clock import TurnClock
 from gateway.turns.admin import ConversationKey
+from gateway.turns.intake.continued import Continuation
 from gateway.turns.intake.intake import Intake
 from gateway.turns.intake.request import TurnRequest
 from gateway.turns.runner import TurnRunner
+from gateway.turns.state.responses import StoredResponses
 from gateway.turns.turn import TurnReply
 
 Readiness = Callable[[], Awaitable[dict[str, Any]]]
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_.:-]{1,96}")
-MAX_SESSION_CHARS = 256
 
 
 # Turns answer with ASGI responses of their own (`_respond`): Litestar hands them to the server as they are.
@@ -72,12 +73,14 @@ class Gateway:
     """What a turn's handler needs, given as one dependency: a turn is the hot path, and Litestar resolves one
     dependency per request faster than five."""
 
-    __slots__ = ("api_keys", "intake", "metrics", "runner", "settings")
+    __slots__ = ("api_keys", "intake", "metrics", "runner", "settings", "responses", "continuation")
 
     def __init__(self, api_keys: ApiKeys, intake: Intake, metrics: Metrics, runner: TurnRunner,
-                 settings: Settings) -> None:
+                 settings: Settings, responses: StoredResponses | None = None,
+                 continuation: Continuation | None = None) -> None:
         self.api_keys, self.intake, self.metrics, self.runner, self.settings = \
             api_keys, intake, metrics, runner, settings
+        self.responses, self.continuation = responses, continuation      # the Responses API (responses_routes.py)
 
 
 ROUTES = [chat_completions, completions, models, health, ready, metrics, openapi_json]
@@ -89,7 +92,7 @@ async def _turn(request: Request, gateway: Gateway, schema: type, intake: Callab
     began = time.perf_counter()
     tenant = gateway.api_keys.tenant_for(request.headers.get("authorization"))
     body, parsed = parse(await request.body(), schema)
-    session = _session(request, body, gateway.settings.session_header, tenant)
+    session = _session(request, body, gateway.settings, tenant)
     async with gateway.runner.claim_ahead(session) as ahead:
         turn = intake(body, parsed, _request_id(request))
         turn.clock = TurnClock(gateway.metrics.gateway_seconds, began)
@@ -123,14 +126,9 @@ def _request_id(request: Request) -> str:
     return given if given and _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
 
 
-def _session(request: Request, body: dict[str, Any], header: str, tenant: str) -> ConversationKey | None:
-    """Header first (name configurable), else body `conversation_id` / `session_id`, within the caller's
-    tenant: the same session id under another API key is another conversation. None: stateless."""
-    session = request.headers.get(header) or body.get("conversation_id") \
-        or body.get("session_id")
-    if session is None:
-        return None
-    if not isinstance(session, str) or not 0 < len(session) <= MAX_SESSION_CHARS:
-        raise InvalidRequestError(f"session id must be a string of 1..{MAX_SESSION_CHARS} characters",
-                                  param="session_id")
-    return ConversationKey(tenant, session)
+def _session(request: Request, body: dict[str, Any], settings: Settings, tenant: str) -> ConversationKey | None:
+    """Header first (name configurable), then an agent harness's header, else body `conversation_id` /
+    `session_id` (api/sessions.py), within the caller's tenant: the same session id under another API key is
+    another conversation. None: stateless."""
+    session = session_id(request.headers, body, settings.session_header, settings.agent_session_headers)
+    return None if session is None else ConversationKey(tenant, session)

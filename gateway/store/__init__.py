@@ -13,7 +13,9 @@ from .base import (
     Holder,
     HolderState,
     StoreUnavailableError,
+    StoredResponse,
     TurnStart,
+    check_response_id,
     index_hash,
 )
 from .factory import open_store
@@ -34,7 +36,9 @@ __all__ = [
     "MemoryConversationStore",
     "RedisConversationStore",
     "StoreUnavailableError",
+    "StoredResponse",
     "TurnStart",
+    "check_response_id",
     "index_hash",
     "open_store",
 ]

@@ -26,7 +26,10 @@ MAX_SESSION_CHARS = 256
 INDEX_HASH_BYTES = 16  # one chained block hash in `Conversation.block_hashes`
 DEFAULT_MAX_HOLDERS = 8  # holders one prefix lookup returns at most
 
+MAX_RESPONSE_ID_CHARS = 128
+
 _TENANT_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_RESPONSE_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,%d}" % MAX_RESPONSE_ID_CHARS)
 
 
 class StoreUnavailableError(Exception):
@@ -78,6 +81,29 @@ class Conversation(msgspec.Struct, kw_only=True):
     answers: list[Answer] = []  # bounded by the caller; empty unless history_tokens is "generated"
     created_at: float = 0.0
     updated_at: float = 0.0
+
+
+class StoredResponse(msgspec.Struct, kw_only=True):
+    """A Responses API response kept for `previous_response_id` and `GET /v1/responses/{id}`, per tenant, for
+    the conversation TTL; opaque to the store, immutable once put (a later turn puts a response of its own)."""
+
+    session: str  # the conversation (the response chain) it belongs to, within its tenant
+    model: str = ""
+    ids: bytes = b""  # D's exact tokens after this response, prompt + output, uint32 little-endian; b"": unknown
+    messages: bytes = b""  # the conversation so far as chat messages (a JSON array), this answer included
+    context: bytes = b""  # a digest of the rendering's other inputs (tools, instructions)
+    body: bytes = b""  # the response object as its client got it (JSON)
+    created_at: float = 0.0
+
+
+def response_meta(response: StoredResponse) -> StoredResponse:
+    """The response without its bulk: what `get_response(bulk=False)` returns."""
+    return msgspec.structs.replace(response, ids=b"", messages=b"", body=b"")
+
+
+def check_response_id(response_id: object) -> None:
+    if not isinstance(response_id, str) or not _RESPONSE_ID_RE.fullmatch(response_id):
+        raise ValueError(f"response id must be 1..{MAX_RESPONSE_ID_CHARS} chars of [A-Za-z0-9_-]")
 
 
 HandleState = Literal["claimed", "none", "expired", "in_flight", "evicted"]
@@ -174,6 +200,21 @@ class ConversationStore(Protocol):
 
     async def delete(self, key: ConversationKey) -> dict[str, Any] | None:
         """Remove everything; return the live unclaimed handle so the caller can release D's blocks."""
+        ...
+
+    async def put_response(self, tenant: str, response_id: str, response: StoredResponse) -> None:
+        """Keep `response` under (tenant, response_id) for the conversation TTL, replacing nothing else. Ids are
+        the caller's (random, unguessable); a tenant never reads or deletes another tenant's responses."""
+        ...
+
+    async def get_response(self, tenant: str, response_id: str, bulk: bool = True) -> StoredResponse | None:
+        """The response `put_response` kept under (tenant, response_id), None when unknown or expired.
+        `bulk=False`: without its ids, messages and body (b""), read at the cost of its small fields alone (a
+        caller that holds the bulk already only needs to know the response still exists)."""
+        ...
+
+    async def delete_response(self, tenant: str, response_id: str) -> bool:
+        """Forget the response; False when there was none. The conversation it belongs to is left alone."""
         ...
 
     async def ping(self) -> bool: ...

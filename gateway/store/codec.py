@@ -6,11 +6,12 @@ from typing import Any
 
 import msgspec
 
-from .base import Conversation, StoreUnavailableError
+from .base import Conversation, StoreUnavailableError, StoredResponse
 
 _encoder = msgspec.msgpack.Encoder()
 _record_decoder = msgspec.msgpack.Decoder(Conversation)
 _handle_decoder = msgspec.msgpack.Decoder(dict[str, Any])
+_response_decoder = msgspec.msgpack.Decoder(StoredResponse)
 
 
 def encode_record(record: Conversation) -> bytes:
@@ -34,3 +35,14 @@ def decode_handle(blob: bytes) -> dict[str, Any]:
         return _handle_decoder.decode(blob)
     except msgspec.DecodeError as exc:
         raise StoreUnavailableError(f"undecodable handle: {exc}") from exc
+
+
+def encode_response(response: StoredResponse) -> bytes:
+    return _encoder.encode(response)
+
+
+def decode_response(blob: bytes) -> StoredResponse:
+    try:
+        return _response_decoder.decode(blob)
+    except msgspec.DecodeError as exc:
+        raise StoreUnavailableError(f"undecodable stored response: {exc}") from exc

@@ -31,6 +31,7 @@ from .base import (
 )
 from .codec import decode_handle, decode_record, encode_handle, encode_record
 from .memory_index import PrefixIndex
+from .memory_responses import MemoryResponses, ResponseMethods
 
 DEFAULT_MAX_CONVERSATIONS = 100_000
 
@@ -49,7 +50,7 @@ class _Entry:
     evicted: int = 0  # the finished turn whose handle evict_handle took (0: none); reported once
 
 
-class MemoryConversationStore:
+class MemoryConversationStore(ResponseMethods):
     kind = "memory"
 
     def __init__(
@@ -67,6 +68,7 @@ class MemoryConversationStore:
         # Ordered by last write; with one TTL for all, the front is also the first to expire.
         self._entries: OrderedDict[ConversationKey, _Entry] = OrderedDict()
         self._index = PrefixIndex()
+        self._responses = MemoryResponses(conversation_ttl_s, clock)
 
     async def begin_turn(self, key: ConversationKey, now: float) -> TurnStart:
         check_key(key)
@@ -203,6 +205,7 @@ class MemoryConversationStore:
     async def close(self) -> None:
         self._entries.clear()
         self._index.clear()
+        self._responses.clear()
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -27,13 +27,16 @@ from .base import (
     Holder,
     HolderState,
     StoreUnavailableError,
+    StoredResponse,
     TurnStart,
     check_key,
+    check_response_id,
+    response_meta,
     check_tenant,
     index_hash,
     session_digest,
 )
-from .codec import decode_handle, decode_record, encode_handle, encode_record
+from .codec import decode_handle, decode_record, decode_response, encode_handle, encode_record, encode_response
 
 KEY_LAYOUT = "v2"  # bumped (with a migration) whenever the key or hash layout changes
 DEFAULT_CONNECT_TIMEOUT_S = 0.5
@@ -53,6 +56,13 @@ def conversation_key(key: ConversationKey) -> str:
     surrogates) and any length up to the limit give a short, fixed-size key."""
     check_key(key)
     return f"{tenant_prefix(key.tenant)}conv:{session_digest(key.session)}"
+
+
+def response_key(tenant: str, response_id: str) -> str:
+    """`pdgw:v2:{tenant}:resp:<id digest>`: a stored Responses API response, in its tenant's slot. A key family
+    of its own beside the conversations', so the v2 layout and its migrations are unchanged."""
+    check_response_id(response_id)
+    return f"{tenant_prefix(tenant)}resp:{session_digest(response_id)}"
 
 
 def client_from_url(
@@ -198,6 +208,29 @@ class RedisConversationStore:
         with _unavailable_on_fault():
             handle = await self._delete(keys=[rkey], args=[repr(float(self._clock())), *_member(key)])
         return decode_handle(handle) if handle is not None else None
+
+    async def put_response(self, tenant: str, response_id: str, response: StoredResponse) -> None:
+        # One hash: its small fields alone (`meta`) beside the whole response, written and given its TTL in one
+        # MULTI (a single key: fine on Cluster too).
+        key = response_key(tenant, response_id)
+        with _unavailable_on_fault():
+            async with self.client.pipeline(transaction=True) as pipe:
+                pipe.delete(key)
+                pipe.hset(key, mapping={"meta": encode_response(response_meta(response)),
+                                        "whole": encode_response(response)})
+                pipe.pexpire(key, self._ttl_ms)
+                await pipe.execute()
+
+    async def get_response(self, tenant: str, response_id: str, bulk: bool = True) -> StoredResponse | None:
+        key = response_key(tenant, response_id)
+        with _unavailable_on_fault():
+            blob = await self.client.hget(key, "whole" if bulk else "meta")
+        return decode_response(blob) if blob is not None else None
+
+    async def delete_response(self, tenant: str, response_id: str) -> bool:
+        key = response_key(tenant, response_id)
+        with _unavailable_on_fault():
+            return bool(await self.client.delete(key))
 
     async def ping(self) -> bool:
         try:

@@ -23,6 +23,8 @@ class TurnOutcome:
     async def record(self, turn: Turn, capture: DecodeCapture) -> None:
         self._count(turn)
         await self.state.record(turn.req, turn.session, turn.start, turn.plan, turn.served, capture)
+        if turn.req.on_recorded is not None:
+            turn.req.on_recorded(capture)
 
     async def abandon(self, turn: Turn) -> None:
         turn.trace.fail(turn.plan)

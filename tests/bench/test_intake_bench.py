@@ -10,7 +10,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 FINAL = re.compile(r"^intake: cpu_32k_vs_1k=(\S+) whole_cpu_32k_vs_1k=(\S+) ms_32k=(\S+) whole_ms_32k=(\S+) "
-                   r"many_vs_few=(\S+) whole_many_vs_few=(\S+)$")
+                   r"many_vs_few=(\S+) whole_many_vs_few=(\S+) responses_cpu_32k_vs_1k=(\S+) responses_ms_32k=(\S+) "
+                   r"responses_nogc_32k_vs_1k=(\S+)$")
 
 
 def test_intake_bench_writes_its_section(tmp_path: Path) -> None:
@@ -25,3 +26,4 @@ def test_intake_bench_writes_its_section(tmp_path: Path) -> None:
     text = out.read_text()
     assert "kept" in text and "## 7. Intake CPU per turn by history" in text and last in text
     assert text.count("| continued |") == 4 and text.count("| whole |") == 4
+    assert "Responses API turns continuing `previous_response_id`" in text and "| 32k, collector off |" in text

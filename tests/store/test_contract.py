@@ -317,3 +317,59 @@ async def test_a_handle_that_died_meanwhile_goes_back_dead(store: ConversationSt
     assert await store.find_by_prefix("acme", [bytes(range(16))], 64, now) == []
     start = await store.begin_turn(KEY, now + 5)
     assert (start.turn, start.handle, start.handle_state) == (3, None, "expired")
+
+
+# -- stored responses (the Responses API's previous_response_id) -------------------------------------------
+def stored_response(n: int = 1):
+    from gateway.store import StoredResponse
+
+    return StoredResponse(session=f"chain-{n}", model="m", ids=bytes(range(8)) * n, messages=b'[{"role":"user"}]',
+                          context=b"c" * 16, body=b'{"id":"resp_x"}', created_at=float(n))
+
+
+async def test_stored_response_round_trip_and_delete(store: ConversationStore) -> None:
+    await store.put_response("acme", "resp_1", stored_response(1))
+    assert await store.get_response("acme", "resp_1") == stored_response(1)
+    assert await store.get_response("acme", "resp_2") is None
+    assert await store.delete_response("acme", "resp_1") is True
+    assert await store.get_response("acme", "resp_1") is None
+    assert await store.delete_response("acme", "resp_1") is False
+
+
+async def test_stored_responses_are_tenant_scoped(store: ConversationStore) -> None:
+    await store.put_response("acme", "resp_1", stored_response(1))
+    assert await store.get_response("other", "resp_1") is None          # never another tenant's response
+    assert await store.delete_response("other", "resp_1") is False
+    assert await store.get_response("acme", "resp_1") == stored_response(1)
+
+
+async def test_stored_response_leaves_conversations_alone(store: ConversationStore) -> None:
+    await finished_turn(store, KEY)
+    await store.put_response(KEY.tenant, KEY.session, stored_response(2))   # same id as a session: other key
+    assert (await store.get(KEY))[1] == HANDLE
+    assert await store.delete_response(KEY.tenant, KEY.session)
+    assert (await store.get(KEY))[1] == HANDLE
+
+
+async def test_stored_response_expires_with_the_conversation_ttl(make_store: MakeStore) -> None:
+    store = make_store(conversation_ttl_s=0.2)
+    await store.put_response("acme", "resp_1", stored_response(1))
+    assert await store.get_response("acme", "resp_1") is not None
+    await asyncio.sleep(0.35)
+    assert await store.get_response("acme", "resp_1") is None
+
+
+@pytest.mark.parametrize("bad", ["", "a" * 129, "resp:1", "resp 1", None])
+async def test_stored_response_ids_are_checked(store: ConversationStore, bad) -> None:
+    with pytest.raises(ValueError):
+        await store.get_response("acme", bad)
+
+
+async def test_stored_response_without_its_bulk(store: ConversationStore) -> None:
+    from gateway.store.base import response_meta
+
+    await store.put_response("acme", "resp_1", stored_response(3))
+    meta = await store.get_response("acme", "resp_1", bulk=False)
+    assert meta == response_meta(stored_response(3)) and (meta.ids, meta.messages, meta.body) == (b"", b"", b"")
+    assert meta.session == "chain-3" and meta.context == b"c" * 16
+    assert await store.get_response("other", "resp_1", bulk=False) is None

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from gateway.store import Conversation, ConversationKey, RedisConversationStore, StoreUnavailableError
+from gateway.store import Conversation, ConversationKey, RedisConversationStore, StoredResponse, StoreUnavailableError
 from tests.redis_server import redis_server_path
 from tests.servers import free_port, stop_process
 
@@ -116,6 +116,11 @@ def test_cluster_serves_the_store():
                 [found] = await store.find_by_prefix(f"t{i}", [b"\x01" * 16, b"\x02" * 16], 8, time.time())
                 start = await store.begin_found_turn(found.key, found.turn, time.time())
                 assert start is not None and start.handle == HANDLE and found.key.session == f"s{i}"
+            for i in range(12):                                         # stored responses: MULTI on one key
+                response = StoredResponse(session=f"s{i}", ids=b"\x01" * 8, messages=b"[]", body=b"{}")
+                await store.put_response(f"t{i}", f"resp_{i}", response)
+                assert await store.get_response(f"t{i}", f"resp_{i}") == response
+                assert (await store.get_response(f"t{i}", f"resp_{i}", bulk=False)).ids == b""
             await store.close()
 
         asyncio.run(scenario())

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 DEFAULT_CACHE_TOKENS = 4_000_000       # token ids kept (about 4 bytes each as array('i'), plus the text)
+MAX_JOINED_CHUNKS = 512                 # pieces a joined TokenIds keeps before it merges them
 
 _encode_json = msgspec.json.Encoder().encode
 EncodeBatch = Callable[[list[str]], list[list[int]]]
@@ -61,6 +62,41 @@ class TokenIds(list):
         ids._byte_chunks, ids._json_items = byte_chunks, json_items
         return ids
 
+    @classmethod
+    def joined(cls, parts: Sequence[Sequence[int]]) -> TokenIds:
+        """The ids of `parts` one after the other, their bytes and JSON kept as the parts' pieces (a
+        continued prompt copies the previous ids' references, never re-encodes them)."""
+        ids = cls.__new__(cls)
+        chunks: list[bytes] = []
+        items: list[bytes] = []
+        for part in parts:
+            ids += part
+            if isinstance(part, TokenIds):
+                chunks += part._byte_chunks if part._byte_chunks is not None else [part.as_bytes]
+                items += part._json_items if part._json_items is not None else [part.as_json[1:-1]]
+            elif part:
+                _, as_bytes, as_json = piece(part)
+                chunks.append(as_bytes)
+                items.append(as_json)
+        if len(chunks) > MAX_JOINED_CHUNKS:           # a long chain of turns: one chunk now and then
+            chunks, items = [b"".join(chunks)], [b",".join(i for i in items if i)]
+        return cls.of_pieces(ids, chunks, [i for i in items if i])
+
+    def extend_pieces(self, other: TokenIds) -> None:
+        """`other`'s ids appended in place, its pieces after this one's (`HeldIds.extended`: the chain's own list
+        grows by a turn's new tokens, nothing of the history is copied)."""
+        self += other
+        if self._byte_chunks is None and self._bytes is not None:
+            self._byte_chunks = [self._bytes]
+        if self._json_items is None and self._json is not None:
+            self._json_items = [self._json[1:-1]] if len(self._json) > 2 else []
+        self._bytes = self._json = None             # joined again when asked for; None chunks: from the ids
+        if self._byte_chunks is not None:
+            self._byte_chunks += other._byte_chunks if other._byte_chunks is not None else [other.as_bytes]
+        if self._json_items is not None:
+            self._json_items += [i for i in (other._json_items if other._json_items is not None
+                                             else [other.as_json[1:-1]]) if i]
+
     @property
     def as_bytes(self) -> bytes:
         if self._bytes is None:
@@ -74,6 +110,35 @@ class TokenIds(list):
             items = self._json_items
             self._json = b"[" + b",".join(items) + b"]" if items is not None else _encode_json(list(self))
         return self._json
+
+
+class HeldIds:
+    """A stored response's token ids: the first `n` of a list that a later turn of its chain may have extended in
+    place. The first turn to continue it takes the list as it is (O(new tokens)); a branch from it afterwards,
+    seeing the list grown, copies the first `n` (O(history), only for branches)."""
+
+    __slots__ = ("ids", "n")
+
+    def __init__(self, ids: TokenIds, n: int | None = None) -> None:
+        self.ids, self.n = ids, len(ids) if n is None else n
+
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def last(self) -> int | None:
+        return self.ids[self.n - 1] if self.n else None
+
+    def extended(self, new: TokenIds) -> TokenIds:
+        if len(self.ids) == self.n:
+            self.ids.extend_pieces(new)
+            return self.ids
+        prefix = TokenIds(self.ids[:self.n], as_bytes=self.ids.as_bytes[:8 * self.n])
+        return TokenIds.joined([prefix, new])
+
+    @property
+    def as_bytes(self) -> bytes:
+        return self.ids.as_bytes[:8 * self.n] if len(self.ids) != self.n else self.ids.as_bytes
 
 
 class PieceEncoder:

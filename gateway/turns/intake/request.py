@@ -32,6 +32,9 @@ class TurnRequest:
     rerender: Callable[[list[Answer]], list[int]] | None = None
     # the gateway's own time on this turn (pdgw_gateway_seconds); the handler gives one that reports
     clock: TurnClock = field(default_factory=lambda: TurnClock(None))
+    # called with D's answer as captured (a legs.capture.DecodeCapture) once the turn's outcome is recorded,
+    # before the client's end of stream: the Responses API keeps D's exact ids with its stored response
+    on_recorded: Callable[[Any], None] | None = None
 
     @cached_property
     def prompt_json(self) -> bytes:

@@ -1,0 +1,126 @@
+"""api/messages.py and api/message_events.py: Anthropic Messages requests to chat, chat answers and streams to
+messages and Anthropic's events, table-driven."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import msgspec
+import pytest
+
+from gateway.api import messages as api
+from gateway.api.message_events import MessageEvents
+from gateway.errors import InvalidRequestError
+
+
+def req(**fields) -> api.MessagesRequest:
+    return api.parse_request(msgspec.json.encode({"max_tokens": 16, "messages": [{"role": "user", "content": "hi"}],
+                                                  **fields}))
+
+
+@pytest.mark.parametrize(("messages", "want"), [
+    ([{"role": "user", "content": "Hello"}], [{"role": "user", "content": "Hello"}]),
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+     [{"role": "user", "content": "a\nb"}]),
+    ([{"role": "assistant", "content": [{"type": "thinking", "thinking": "hm"}, {"type": "text", "text": "Sure."},
+                                        {"type": "tool_use", "id": "t1", "name": "f", "input": {"city": "Zürich"}}]},
+      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"},
+                                   {"type": "tool_result", "tool_use_id": "t2",
+                                    "content": [{"type": "text", "text": "rain"}]},
+                                   {"type": "text", "text": "Thanks"}]}],
+     [{"role": "assistant", "content": "Sure.", "tool_calls": [
+         {"id": "t1", "type": "function", "function": {"name": "f", "arguments": '{"city": "Zürich"}'}}]},
+      {"role": "tool", "tool_call_id": "t1", "content": "sunny"},
+      {"role": "tool", "tool_call_id": "t2", "content": "rain"},
+      {"role": "user", "content": "Thanks"}]),
+])
+def test_messages_become_chat_messages(messages, want):
+    assert api.chat_messages(messages) == want
+
+
+def test_chat_body_carries_system_tools_and_sampling():
+    body = api.chat_body(req(system=[{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Really."}],
+                             stop_sequences=["END"], top_k=5, stream=True,
+                             tools=[{"name": "f", "description": "d", "input_schema": {"type": "object"}}],
+                             tool_choice={"type": "any", "disable_parallel_tool_use": True}), "demo")
+    assert body["messages"][0] == {"role": "system", "content": "Be brief.\nReally."}
+    assert body["tools"] == [{"type": "function", "function": {"name": "f", "description": "d",
+                                                               "parameters": {"type": "object"}}}]
+    assert list(body["tools"][0]["function"]) == ["name", "description", "parameters"]     # as chat clients order it
+    assert (body["tool_choice"], body["parallel_tool_calls"], body["stop"], body["top_k"]) == \
+        ("required", False, ["END"], 5)
+    assert body["stream_options"] == {"include_usage": True} and body["max_tokens"] == 16
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0]"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0]"),
+    ({"tool_choice": {"type": "maybe"}}, "tool_choice"),
+])
+def test_unsupported_input_names_the_field(fields, param):
+    with pytest.raises(InvalidRequestError) as caught:
+        api.chat_body(req(**fields), "demo")
+    assert caught.value.param == param
+
+
+@pytest.mark.parametrize(("fields", "param"), [({"max_tokens": 0}, "max_tokens"), ({"messages": []}, "messages")])
+def test_bad_limits_are_refused(fields, param):
+    with pytest.raises(InvalidRequestError) as caught:
+        req(**fields)
+    assert caught.value.param == param
+
+
+@pytest.mark.parametrize(("finish", "matched", "want"), [
+    ("stop", None, ("end_turn", None)), ("stop", "END", ("stop_sequence", "END")), ("length", None, ("max_tokens", None)),
+    ("tool_calls", None, ("tool_use", None)), (None, None, (None, None))])
+def test_stop_reasons(finish, matched, want):
+    assert api.stop_reason(finish, matched) == want
+
+
+def test_a_completion_becomes_a_message():
+    out = api.from_completion("msg_1", "demo", {"choices": [{"finish_reason": "tool_calls", "message": {
+        "content": "Looking.", "tool_calls": [{"id": "t1", "function": {"name": "f", "arguments": '{"a": 1}'}}]}}],
+        "usage": {"prompt_tokens": 9, "completion_tokens": 3}})
+    assert out["content"] == [{"type": "text", "text": "Looking."},
+                              {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}}]
+    assert (out["stop_reason"], out["usage"]) == ("tool_use", {"input_tokens": 9, "output_tokens": 3})
+
+
+def _events(*chunks) -> list[tuple[str, dict]]:
+    async def chat():
+        for c in chunks:
+            yield b"data: " + (c.encode() if isinstance(c, str) else json.dumps(c).encode()) + b"\n\n"
+
+    async def run():
+        out = []
+        async for data in MessageEvents("msg_1", "demo", 12).relay(chat()):
+            for event in data.decode().split("\n\n"):
+                if event:
+                    name, body = event.split("\n")
+                    out.append((name.removeprefix("event: "), json.loads(body.removeprefix("data: "))))
+        return out
+
+    return asyncio.run(run())
+
+
+def test_a_stream_becomes_anthropic_events():
+    events = _events({"choices": [{"delta": {"content": "Hi"}}]},
+                     {"choices": [{"delta": {"tool_calls": [{"index": 0, "id": "t1", "function": {"name": "f"}}]}}]},
+                     {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]},
+                                   "finish_reason": "tool_calls"}]},
+                     {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 7}}, "[DONE]")
+    assert [name for name, _ in events] == [
+        "message_start", "content_block_start", "content_block_delta", "content_block_stop", "content_block_start",
+        "content_block_delta", "content_block_stop", "message_delta", "message_stop"]
+    assert all(body["type"] == name for name, body in events)
+    assert events[0][1]["message"]["usage"] == {"input_tokens": 12, "output_tokens": 0}
+    assert events[4][1]["content_block"] == {"type": "tool_use", "id": "t1", "name": "f", "input": {}}
+    assert events[5][1]["delta"] == {"type": "input_json_delta", "partial_json": "{}"}
+    assert events[7][1]["delta"]["stop_reason"] == "tool_use" and events[7][1]["usage"] == {"output_tokens": 7}
+
+
+def test_an_engine_error_mid_stream_is_an_error_event():
+    events = _events({"choices": [{"delta": {"content": "x"}}]}, {"error": {"message": "D failed"}}, "[DONE]")
+    assert events[-1] == ("error", {"type": "error", "error": {"type": "api_error", "message": "D failed"}})
