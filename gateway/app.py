@@ -26,6 +26,7 @@ from gateway.engines.client import EngineClient
 from gateway.engines.health import HealthChecker
 from gateway.engines.pool import EnginePool
 from gateway.engines.registry import EngineRegistry
+from gateway.engines.transfer import Mode, PushIdentities, TransferModeError
 from gateway.startup import gather as startup_report
 from gateway.startup import PinnedIdsProof, log_report
 from gateway.store import ConversationStore, open_store
@@ -88,12 +89,17 @@ async def _lifespan(app: Litestar, settings: Settings, tracing: Tracing,
         renderer = Renderer(settings.tokenizer, settings.chat_template)
         report = await startup_report(client, prefill, decode, renderer, store, settings)
         log_report(report)
+        if report.transfer.refusal:          # a mixed pool cannot pair: say so once and do not start
+            log.error("pd-gateway refuses to start: %s", report.transfer.refusal)
+            raise TransferModeError(report.transfer.refusal)
         health.on_readmit.append(PinnedIdsProof(client, renderer, settings.model).engine_back)
         models, block_size = report.models, report.block_size
+        if report.transfer.push:             # a P back may be a restarted one with a new identity
+            health.on_readmit.append(PushIdentities(client, decode, settings.model, block_size).engine_back)
         state.intake = Intake(renderer, models, settings.max_messages, settings.history_tokens,
                               report.max_model_len)
         runner = _runner(client, prefill, decode, store, state.metrics, settings, block_size,
-                         models[0] if models else "", tracing, renderer)
+                         models[0] if models else "", tracing, renderer, report.transfer.mode)
         state.gateway = Gateway(state.api_keys, state.intake, state.metrics, runner, settings,
                                 StoredResponses(store, state.metrics), Continuation(state.intake))
         state.conversations = ConversationAdmin(store, runner.releaser, runner.state.pins)
@@ -125,7 +131,7 @@ def _from_state(name: str) -> Callable[[State], Any]:
 
 def _runner(client: EngineClient, prefill: EnginePool, decode: EnginePool, store: ConversationStore,
             metrics: Metrics, settings: Settings, block_size: int, model: str, tracing: Tracing,
-            renderer: Renderer) -> TurnRunner:
+            renderer: Renderer, transfer_mode: Mode = "pull") -> TurnRunner:
     """The turn machinery: engine calls, the handle releaser and the conversation state, shared by every turn."""
     calls = EngineCalls(metrics)
     releaser = HandleReleaser(client, prefill, calls, metrics, model)
@@ -133,7 +139,7 @@ def _runner(client: EngineClient, prefill: EnginePool, decode: EnginePool, store
     state = ConversationState(store=store, decode=decode, releaser=releaser, metrics=metrics, settings=settings,
                               block_size=block_size, renderer=renderer, pins=pins)
     return TurnRunner(client=client, prefill=prefill, decode=decode, state=state, calls=calls, releaser=releaser,
-                      metrics=metrics, settings=settings, tracing=tracing)
+                      metrics=metrics, settings=settings, tracing=tracing, transfer_mode=transfer_mode)
 
 
 async def _calibrated(runner: TurnRunner, prefill: EnginePool, decode: EnginePool, renderer: Renderer,
@@ -141,8 +147,8 @@ async def _calibrated(runner: TurnRunner, prefill: EnginePool, decode: EnginePoo
     """Under the cost plan, the rates it weighs: probed per P-D pair before serving (at most a few seconds'
     wait), then kept fresh in the background. None when there is nothing to calibrate."""
     metrics.learned_rates.source = runner.rates.known
-    if settings.reuse_policy != "cost" or not settings.rate_probe_tokens:
-        return None
+    if settings.reuse_policy != "cost" or not settings.rate_probe_tokens or runner.push:
+        return None              # push mode has no read of D's KV to calibrate (docs/protocol.md §8)
     probe = RateProbe(client=runner.client, calls=runner.calls, prefill=prefill, decode=decode, rates=runner.rates,
                       releaser=runner.releaser, vocabulary=renderer.encode(PROBE_TEXT), model=model,
                       settings=settings)

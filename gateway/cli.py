@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import errno
 import sys
 import typing
@@ -27,13 +28,14 @@ HELP = {
     "decoder_kv_blocks_ttl_s": "D's decoder_kv_blocks_ttl: how long D pins a finished turn's KV",
     "decode_kv_lease_s": "D's kv_lease_duration: how long D holds a local turn's KV (must equal D's setting)",
     "handle_ttl_margin_s": "stop using a D handle this long before D unpins it",
+    "local_prefill_max_tokens": "a warm turn goes to the holder D alone when D computes at most this many tokens (0: off)",
     "conversation_ttl_s": "forget a conversation this long after its last turn",
     "decode_pin_budget": "fraction of each D's KV blocks the stored handles may pin; over it the least recently used idle ones are released (0: off, TTL only)",
     "stream_handle_policy": "when D streams without its handle: miss (count it) or buffer (non-streamed D leg, re-streamed)",
     "history_tokens": "generated (default: past answers as D's own ids) or rendered (as their text, re-encoded)",
-    "local_prefill_max_tokens": "the local path: a warm turn goes to the D holding its KV alone when D would compute at most this many prompt tokens (0: off)",
     "decode_load_bound": "outstanding requests above which a conversation leaves its D",
     "reuse_policy": "cost: send D's handle only where P reading it beats recomputing (learned rates); always",
+    "kv_transfer_mode": "auto (what the engines' /server_info shows), pull (NixlConnector: D reads P's KV after P) or push (NixlPushConnector: P writes into D's blocks, both legs sent at once)",
     "rate_probe_tokens": "under reuse_policy cost: tokens of the calibration read per P-D pair at start-up and after (0: none, rates learned from turns only)",
     "rate_probe_interval_s": "how often each P-D pair's calibration read is repeated",
     "prefill_affinity": "prefer the P that prefilled the conversation's last turn (its prefix cache holds that prompt)",
@@ -138,6 +140,9 @@ def serve(argv: list[str]) -> None:
         app = create_app(settings, reload=lambda: parse_settings(argv, "pd-gateway serve", parser)[0])
     except ValueError as exc:
         raise SystemExit(f"pd-gateway serve: {exc}") from None
+    from gateway.startup import transfer_preflight
+    if refusal := asyncio.run(transfer_preflight(settings)).refusal:   # a mixed pool: one line, not a start
+        raise SystemExit(f"pd-gateway serve: refused: {refusal}")
     try:
         run(app, settings.host, settings.port, port_file=args.port_file, log_level=settings.log_level)
     except OSError as exc:

@@ -45,6 +45,7 @@ LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 LogFormat = Literal["text", "json"]
 TracingMode = Literal["off", "console", "otlp"]
 ConversationLookup = Literal["session", "prefix", "both"]   # how a turn finds its conversation
+KVTransferMode = Literal["auto", "pull", "push"]   # NixlConnector or NixlPushConnector (docs/protocol.md §8)
 
 Seconds = Annotated[float, msgspec.Meta(gt=0)]            # a deadline or period: zero would never wait
 NonNegativeSeconds = Annotated[float, msgspec.Meta(ge=0)]
@@ -79,6 +80,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     history_tokens: HistoryTokens = "generated"    # keeps D's KV when answers re-tokenize otherwise (vllm-findings)
     decode_load_bound: PositiveInt = 64            # outstanding requests above which affinity yields
     reuse_policy: ReusePolicy = "cost"             # "cost": send D's handle only where reading beats recomputing
+    kv_transfer_mode: KVTransferMode = "auto"      # "auto": what the engines' /server_info shows
     local_prefill_max_tokens: Annotated[int, msgspec.Meta(ge=0)] = DEFAULT_LOCAL_PREFILL_MAX_TOKENS  # 0: off
     rate_probe_tokens: Annotated[int, msgspec.Meta(ge=0)] = 8192  # the cost plan's calibration read; 0: no probes
     rate_probe_interval_s: Seconds = 300.0         # ... repeated this often per P-D pair

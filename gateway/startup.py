@@ -26,6 +26,8 @@ from gateway.engines.client import EngineClient
 from gateway.engines.engine import Engine
 from gateway.engines.pool import EnginePool
 from gateway.engines.probe import PINNED_IDS, PROBE_TIMEOUT_S, honours_pinned_ids, probe, tokenize_chat
+from gateway.engines.transfer import (ModeVerdict, PushIdentities, Seen, decide, describe, mode_findings, mode_of,
+                                      preflight, push_target)
 from gateway.errors import GatewayError
 from gateway.store import ConversationStore, open_store
 from gateway.turns.intake.render import Renderer
@@ -70,6 +72,7 @@ class EngineReport:
     parity: Literal["match", "mismatch", "unknown"] = "unknown"
     parity_detail: str = ""
     pinned_ids: bool | None = None                # P: uses kv_transfer_params.prompt_token_ids (None: unknown)
+    push_identity: str | None = None              # push mode, P: the identity D legs name (docs/protocol.md §8.2)
 
     @property
     def bidirectional(self) -> bool | None:
@@ -83,7 +86,8 @@ class EngineReport:
         return (f"{self.role:<8} {self.url}  vLLM {self.version or '?'}  block size {self.block_size or '?'}  "
                 f"bidirectional {bidi}  load-failure policy {policy}  "
                 f"template parity {self.parity}{f' ({self.parity_detail})' if self.parity_detail else ''}"
-                f"{_pinned_words(self.pinned_ids) if self.role == 'prefill' else ''}")
+                f"{_pinned_words(self.pinned_ids) if self.role == 'prefill' else ''}"
+                f"{f'  push identity {self.push_identity}' if self.push_identity else ''}")
 
 
 @dataclass
@@ -96,6 +100,7 @@ class StartupReport:
     max_model_len: int | None                     # the smallest any engine reported: longer requests get 400
     reuse: str                                    # one sentence: what this set-up means for reuse
     findings: list[Finding]
+    transfer: ModeVerdict = ModeVerdict("pull")   # pull or push (docs/protocol.md §8.5); a refusal stops serve
 
     @property
     def verdict(self) -> Level:
@@ -106,7 +111,7 @@ class StartupReport:
         return ["pd-gateway start-up report", *(f"  {e.line()}" for e in self.engines),
                 f"  store    {store}", f"  models   {', '.join(self.models) or '?'}; KV block size {self.block_size}; "
                 f"max_model_len {self.max_model_len or '?'}",
-                f"  reuse    {self.reuse}", f"  verdict  {self.verdict}",
+                f"  transfer {self.transfer.mode} ({self.transfer.basis or '?'})", f"  reuse    {self.reuse}", f"  verdict  {self.verdict}",
                 *(f"  {f.level}: {f.text}" for f in self.findings)]
 
     def to_dict(self) -> dict[str, Any]:
@@ -160,11 +165,27 @@ async def gather(client: EngineClient, prefill: EnginePool, decode: EnginePool, 
     block_size = settings.block_size or (min(sizes) if sizes else DEFAULT_BLOCK_SIZE)
     lengths = [r.max_model_len for r in reports if r.max_model_len]
     store_name = mask_url(settings.redis_url) if settings.redis_url else "embedded (single process)"
-    findings = [*_reachability(reports), *_agreement(reports, settings), *_transfer(reports),
-                *_roles(reports), *_decoder_ttl(reports, settings),
+    mode = decide(settings.kv_transfer_mode, [Seen(r.role, r.url, mode_of(r.kv_transfer)) for r in reports
+                                              if r.reachable])
+    if mode.push and not mode.refusal:       # each P's identity, from one pair (engines/transfer.py)
+        await _push_identities(PushIdentities(client, decode, settings.model, block_size), prefill, reports)
+    findings = [*_reachability(reports), *_agreement(reports, settings), *_transfer(reports, mode),
+                *_roles(reports), *([] if mode.push else _decoder_ttl(reports, settings)),
                 *_parity(reports, renderer, expected), *_store(settings, store_ok)]
     return StartupReport(reports, store_name, store_ok, models, block_size, min(lengths, default=None),
-                         _reuse(reports, settings, store_ok), findings)
+                         _reuse(reports, settings, store_ok, mode.push), findings, mode)
+
+
+async def _push_identities(identities: PushIdentities, prefill: EnginePool, reports: list[EngineReport]) -> None:
+    await identities.learn_all(prefill)
+    for report, engine in zip(reports, prefill.engines.values(), strict=False):    # P's reports come first
+        target = push_target(engine)
+        report.push_identity = describe(target) if target else None
+
+
+async def transfer_preflight(settings: Settings) -> ModeVerdict:
+    """`serve`'s look at the engines' KV-transfer modes before it listens (engines/transfer.py)."""
+    return await preflight(settings)
 
 
 async def check(settings: Settings) -> StartupReport:
@@ -277,14 +298,15 @@ def _agreement(reports: list[EngineReport], settings: Settings) -> list[Finding]
     return out
 
 
-def _transfer(reports: list[EngineReport]) -> list[Finding]:
+def _transfer(reports: list[EngineReport], mode: ModeVerdict = ModeVerdict("pull")) -> list[Finding]:
     up = [r for r in reports if r.reachable]
     off = [r.url for r in up if r.bidirectional is False]
-    out = []
-    if off:
+    unlearned = [r.url for r in up if r.role == "prefill" and not r.push_identity]
+    out = [Finding(level, text) for level, text in mode_findings(mode, unlearned)]   # type: ignore[arg-type]
+    if off and not mode.push:      # push mode refuses bidirectional transfer (docs/protocol.md §8.1)
         out.append(Finding("fail", f"bidirectional_kv_xfer is off on {', '.join(off)}: no turn can reuse D's KV, "
                                    "and a P without it parks requests that carry D's handle"))
-    if any(r.bidirectional is None for r in up):
+    if not mode.push and any(r.bidirectional is None for r in up):
         out.append(Finding("warn", "bidirectional transfer could not be checked on some engines (vLLM shows its "
                                    "config at /server_info only with VLLM_SERVER_DEV_MODE=1)"))
     for r in up:
@@ -352,8 +374,16 @@ def _store(settings: Settings, store_ok: bool) -> list[Finding]:
     return []
 
 
-def _reuse(reports: list[EngineReport], settings: Settings, store_ok: bool) -> str:
-    if any(r.bidirectional is False for r in reports):
+def _reuse(reports: list[EngineReport], settings: Settings, store_ok: bool, push: bool = False) -> str:
+    if push and store_ok:
+        local = (f"a later turn goes to the same D alone (local) when D would compute at most "
+                 f"{settings.local_prefill_max_tokens} tokens itself, counting on D's prefix cache, which nothing "
+                 "pins (a lost cache costs time, never correctness)" if settings.local_prefill_max_tokens else
+                 "the local path is off")
+        return ("push: P writes its KV into D's blocks while both legs run; no D->P read exists and D returns no "
+                f"handle, so nothing is pinned between turns; {local}; else a full prefill on P (reason "
+                "push_mode), P's and D's own prefix caches skipping what they hold")
+    if not push and any(r.bidirectional is False for r in reports):
         return "off: bidirectional transfer is off on some engine, so every turn is a full prefill"
     if not store_ok:
         return "degraded: the store does not answer, so every turn is a full prefill until it does"

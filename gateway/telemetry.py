@@ -56,6 +56,10 @@ class Metrics:
         self.handles_evicted = Counter(
             "pdgw_handles_evicted", "Idle handles released to keep a D within its pin budget", ["engine"],
             registry=r)
+        self.push_decode_aborts = Counter(
+            "pdgw_push_decode_aborts", "Push mode: D legs the gateway aborted while D waited for P's WRITE, by why "
+            "(prefill_failed and no_write may leave D's blocks held: vLLM frees them only on a WRITE)", ["reason"],
+            registry=r)
         self.learned_rates = LearnedRates()
         r.register(self.learned_rates)
         self.engine_data_plane = EngineDataPlane()

@@ -66,6 +66,23 @@ class EngineStream:
                 return events
         return None
 
+    async def first_events(self, timeout_s: float) -> list[bytes]:
+        """Wait up to `timeout_s` (not the idle timeout) for the stream's first events, kept for `next_events`.
+        A push-mode D sends its headers at once and its first token only after P's prefill and WRITE
+        (docs/protocol.md §8): that wait is P's, not a stall. An error event before any token is the request's
+        failure (a failed KV load under `fail`, §7), raised here so that the leg can still be redone."""
+        with _translated("decode engine sent no token in time"):
+            async with asyncio.timeout(timeout_s):
+                while not self._pending:
+                    chunk = await self._response.content.readany()
+                    if not chunk:
+                        raise EngineFailedError("decode engine ended the stream before its first token")
+                    self._pending = self._splitter.feed(chunk)
+            first = self._pending[0]
+            if first.startswith(b"{") and b'"error"' in first[:64] and "error" in _decode(first):
+                raise EngineFailedError(f"decode engine failed before its first token: {_engine_message(first)}")
+        return list(self._pending)
+
     def close(self) -> None:
         self._response.close()
 

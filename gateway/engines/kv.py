@@ -1,4 +1,5 @@
-"""vLLM's KV-handle protocol (NIXL connector, pull mode, bidirectional transfer): docs/protocol.md §2-§4.
+"""vLLM's KV-handle protocol (NIXL connector, pull mode, bidirectional transfer: docs/protocol.md §2-§4; push
+mode, NixlPushConnector: §8).
 
 The only module of the gateway that knows the keys of `kv_transfer_params`. A `Handle` wraps what an engine
 returned verbatim, because every field must pass through untouched (vLLM adds fields between versions, e.g.
@@ -9,6 +10,7 @@ bootstrap, a vLLM field change) is another module with the same functions.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -113,6 +115,66 @@ def decode_params(prefill_handle: Handle | None, pinned_ids: bytes | None = None
     if pinned_ids is not None:
         params[_PINNED_IDS] = msgspec.Raw(pinned_ids)
     return params
+
+
+@dataclass(frozen=True)
+class PushTarget:
+    """P as a push-mode D leg names it (§8.2): its engine id, side channel and parallelism, the same values P's
+    own handle carries. vLLM reads the first four with `params[...]`; `tp_size` and `pp_size` must be P's real
+    ones (D waits for one completion notification per writing P rank)."""
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int = 1
+    pp_size: int = 1
+
+    @classmethod
+    def of(cls, handle: Handle | None) -> PushTarget | None:
+        """P's identity from a handle P returned in push mode; None from a pull handle or a malformed one."""
+        wire = handle.wire if handle is not None else {}
+        if wire.get("transfer_mode") != "push":
+            return None
+        engine, host, port = wire.get("remote_engine_id"), wire.get("remote_host"), wire.get("remote_port")
+        tp, pp = wire.get("tp_size", 1), wire.get("pp_size", 1)
+        if not (isinstance(engine, str) and isinstance(host, str) and _count(port) and _count(tp) and _count(pp)):
+            return None
+        return cls(engine, host, port, tp, pp)
+
+
+def transfer_mode_of(handle: Handle | None) -> str | None:
+    """"push" or "pull", as P's handle says (vLLM 0.28+); None when it does not say."""
+    mode = handle.wire.get("transfer_mode") if handle is not None else None
+    return mode if isinstance(mode, str) else None
+
+
+def push_decode_params(target: PushTarget | None, pinned_ids: bytes | None = None,
+                       p_request_id: str = "") -> dict[str, Any]:
+    """D's leg in push mode. With `target`: D allocates the prompt's blocks, registers them with that P and
+    waits for P's WRITE (§8.2). `remote_block_ids` is left out (D sets it itself). `remote_request_id` must be
+    there (vLLM 0.32 reads it with `params[...]` once D schedules the request, nixl/metadata.py:334: without
+    it D's engine core dies, seen); D uses it only to heartbeat P's lease, and P's real id ends in 8 random
+    characters nobody knows before P answers, so it is `p_request_id`, P's id without them (`engine_base_id`):
+    the heartbeats match nothing and P's lease is not extended. None: D alone, from its own prefix cache (the
+    local path): no flags at all, since a push engine treats any request carrying `do_remote_decode` as a P
+    whose blocks it leases for a registration that never comes (nixl/push_scheduler.py:233-294)."""
+    params: dict[str, Any] = {}
+    if target is not None:
+        params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": target.engine_id,
+                  "remote_host": target.host, "remote_port": target.port, "tp_size": target.tp_size,
+                  "pp_size": target.pp_size, "remote_request_id": p_request_id}
+    if pinned_ids is not None:
+        params[_PINNED_IDS] = msgspec.Raw(pinned_ids)
+    return params
+
+
+def engine_base_id(endpoint: str, x_request_id: str) -> str:
+    """An engine's internal request id for `X-Request-Id`, without the `-<8 hex>` each engine appends: what
+    vLLM pairs a push pair's legs by (§8.2, `entrypoints/openai/*/serving.py`)."""
+    return f"cmpl-{x_request_id}-0" if endpoint == "/v1/completions" else f"chatcmpl-{x_request_id}"
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def pinned_only(ids: list[int]) -> dict[str, Any]:

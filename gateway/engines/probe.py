@@ -13,9 +13,11 @@ from gateway.engines import kv
 from gateway.engines.capacity import kv_capacity
 from gateway.engines.client import EngineClient
 from gateway.engines.engine import Engine
-from gateway.errors import GatewayError
+from gateway.errors import EngineTimeoutError, GatewayError
 
 PROBE_TIMEOUT_S = 3.0
+SERVER_INFO_TIMEOUT_S = 10.0        # vLLM serializes its whole config: slow on a busy engine just started
+SERVER_INFO_ATTEMPTS = 3            # a slow answer is retried: only an answer (or a 404) says what it shows
 PINNED_PROBE_TIMEOUT_S = 15.0       # it generates a token: an engine's first request can be slow
 PINNED_IDS = "pinned_ids"           # Engine.info key: True once the engine is proven to use pinned prompt ids
 
@@ -24,7 +26,7 @@ async def probe(client: EngineClient, engine: Engine) -> dict[str, Any]:
     """Fill `engine.info` with what could be read; missing pieces stay missing (the engine may be starting)."""
     models, version, metrics, server_info = await asyncio.gather(
         _get(client, engine.url, "/v1/models"), _get(client, engine.url, "/version"),
-        _get(client, engine.url, "/metrics"), _get(client, engine.url, "/server_info?config_format=json"))
+        _get(client, engine.url, "/metrics"), server_info_of(client, engine.url))
     info: dict[str, Any] = {}
     if models:
         data = _json(models).get("data")
@@ -39,10 +41,23 @@ async def probe(client: EngineClient, engine: Engine) -> dict[str, Any]:
         info["block_size"] = capacity.block_size
     if capacity and capacity.num_gpu_blocks:
         info["num_gpu_blocks"] = capacity.num_gpu_blocks      # D's pin budget is a fraction of it
-    if server_info and (transfer := kv_transfer_of(_json(server_info))) is not None:
+    if server_info and (transfer := kv_transfer_of(server_info)) is not None:
         info["kv_transfer"] = transfer
     engine.info.update(info)
     return info
+
+
+async def server_info_of(client: EngineClient, url: str) -> dict[str, Any] | None:
+    """vLLM's dev-mode `/server_info?config_format=json`; None when the engine has none (404: no dev mode) or does
+    not answer after a few tries. A timeout is not "none": it decides the KV-transfer mode (engines/transfer.py)."""
+    for _ in range(SERVER_INFO_ATTEMPTS):
+        try:
+            return _json(await client.get(url, "/server_info?config_format=json", timeout_s=SERVER_INFO_TIMEOUT_S))
+        except EngineTimeoutError:
+            continue
+        except GatewayError:
+            return None
+    return None
 
 
 def kv_transfer_of(server_info: dict[str, Any]) -> dict[str, Any] | None:
@@ -53,7 +68,10 @@ def kv_transfer_of(server_info: dict[str, Any]) -> dict[str, Any] | None:
         return None
     extra = kv.get("kv_connector_extra_config") or {}
     ttl, lease = extra.get("decoder_kv_blocks_ttl"), extra.get("kv_lease_duration")
-    return {"connector": kv.get("kv_connector"), "role": kv.get("kv_role"),
+    inner = extra.get("connectors")           # a MultiConnector's own connectors (docs/protocol.md §8.5)
+    return {"connector": kv.get("kv_connector"), "role": kv.get("kv_role"), "engine_id": kv.get("engine_id"),
+            "connectors": [c.get("kv_connector") for c in inner if isinstance(c, dict)]
+            if isinstance(inner, list) else [],
             "failure_policy": kv.get("kv_load_failure_policy", "fail"),
             "bidirectional": bool(extra.get("bidirectional_kv_xfer", False)),
             # absent: vLLM's default (docs/protocol.md §1); D pins a finished turn's blocks this long

@@ -141,7 +141,7 @@ def create_sim_app(settings: SimSettings) -> Litestar:
 
     @get("/health")
     async def health() -> Response:
-        return Response(content=b"", status_code=200)
+        return Response(content=b"", status_code=500 if engine.dead else 200)   # vLLM: its engine core died
 
     @get("/version")
     async def version() -> Response:

@@ -56,6 +56,7 @@ class Engine:
         self.steps = Steps(self)
         self.running = 0
         self.waiting = 0
+        self.dead: str | None = None    # vLLM's engine core died (a push leg it could not read): nothing serves
         self._seats = asyncio.Semaphore(settings.max_num_seqs)
         self._ticker: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -74,6 +75,7 @@ class Engine:
     def reset(self, num_blocks: int | None = None) -> None:
         """Forget handles, cache and counters; with `num_blocks`, also resize the KV pool (benchmarks sweep it).
         Only between runs: a request in flight would keep blocks of the old pool."""
+        self.dead = None                # a test hook: the engine as restarted
         self.handles.clear()
         self.push_sender.clear()
         self.push_receiver.clear()
@@ -96,6 +98,8 @@ class Engine:
 
     async def admit(self, req: EngineRequest) -> Running:
         self.stats.requests_total += 1
+        if self.dead:                   # vLLM's API server answers 500 once its engine core is gone
+            raise RequestFailed(self.dead)
         source = self.source(req.kv_params)
         beats = None
         beat = source.holder if source and source.heartbeat else self.push_receiver.heartbeat_target(req.kv_params)

@@ -17,5 +17,7 @@ class KVLoadParked(Exception):
 
 
 class PushLegError(RequestFailed):
-    """A push-mode D leg lacks a field vLLM reads with `params[...]` (nixl/push_scheduler.py:184-187): a KeyError
-    in D's scheduler, which probably takes vLLM's engine down (docs/protocol.md §8.2); the sim answers HTTP 500."""
+    """A push-mode D leg lacks a field vLLM reads with `params[...]` (nixl/push_scheduler.py:184-187,
+    nixl/metadata.py:334): a KeyError in D's scheduler kills vLLM's engine core (seen on vLLM 0.32 CPU, for
+    `remote_request_id`; docs/protocol.md §8.2). The sim answers HTTP 500, and so every request after it, and
+    /health fails, until /sim/reset."""

@@ -58,6 +58,7 @@ class Write(msgspec.Struct):
 
 class FaultRequest(msgspec.Struct):
     push_fault: str
+    times: int | None = None  # a test hook's count: the fault applies to this many P legs, then stops
 
 
 class Pushes(Protocol):
@@ -72,6 +73,7 @@ class Pushes(Protocol):
     push_receiver: PushReceiver
     running: int
     waiting: int
+    dead: str | None            # set when a push leg kills the engine core, as vLLM's KeyError does
 
     def spawn(self, coro: Any) -> None: ...
 
@@ -87,7 +89,10 @@ class PushTarget:
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> PushTarget:
-        missing = [k for k in ("remote_engine_id", "remote_host", "remote_port", "tp_size") if k not in params]
+        # vLLM 0.32 reads these with `params[...]`: the first four in nixl/push_scheduler.py:184-187, the request
+        # id in nixl/metadata.py:334 once D schedules the request (seen: a KeyError there kills D's engine core)
+        missing = [k for k in ("remote_engine_id", "remote_host", "remote_port", "tp_size", "remote_request_id")
+                   if k not in params]
         if missing:
             raise PushLegError(f"push leg without {', '.join(missing)}")
         rid = params.get("remote_request_id")
@@ -111,20 +116,30 @@ class PushSender:
         self.engine = engine  # read through it: /sim/reset and /sim/timing replace its pool, stats and settings
         self.staged: dict[str, list[int]] = {}  # P's request id -> its leased block ids, not yet matched
         self.pending: dict[str, Registration] = {}  # D's request id -> a registration P's blocks have not met
+        self.fault_left: int | None = None  # POST /sim/push-fault's `times`: P legs the fault still applies to
 
     def fails(self, params: dict[str, Any] | None) -> bool:
         """--push-fault fail-prefill: this P leg ends abnormally, so P stages nothing (push_scheduler.py:252-258)."""
         s = self.engine.settings
         return (s.transfer_mode == "push" and s.role == "prefill" and s.push_fault == "fail-prefill"
-                and bool(params) and bool(params.get("do_remote_decode")))
+                and bool(params) and bool(params.get("do_remote_decode")) and self._spend_fault())
+
+    def _spend_fault(self) -> bool:
+        """A counted fault (a transient one, for tests) applies to its P legs, then turns itself off."""
+        if self.fault_left is not None:
+            self.fault_left -= 1
+            if self.fault_left <= 0:
+                self.fault_left = None
+                self.engine.settings = msgspec.structs.replace(self.engine.settings, push_fault="none")
+        return True
 
     def finished(self, p_rid: str, block_ids: list[int]) -> None:
         """P's prefill finished normally and its blocks are leased: write now if D registered, else stage."""
         s = self.engine.settings
         if s.transfer_mode != "push":
             return
-        if s.push_fault == "never-write":  # vLLM logs a failed handshake or WRITE submission, tells D nothing
-            self.engine.stats.push_writes_withheld += 1
+        if s.push_fault == "never-write" and self._spend_fault():  # vLLM logs a failed handshake or WRITE
+            self.engine.stats.push_writes_withheld += 1               # submission, and tells D nothing
             return
         reg = _pop_match(self.pending, p_rid)
         if reg is None:
@@ -178,6 +193,7 @@ class PushSender:
     def clear(self) -> None:
         self.staged.clear()
         self.pending.clear()
+        self.fault_left = None
 
 
 @dataclass
@@ -224,7 +240,11 @@ class PushReceiver:
             engine.running, engine.waiting = engine.running + 1, engine.waiting - 1
 
     async def _receive(self, req: EngineRequest, table: list[int], num_hits: int) -> dict[int, Slot]:
-        target = PushTarget.from_params(req.kv_params)  # type: ignore[arg-type]
+        try:
+            target = PushTarget.from_params(req.kv_params)  # type: ignore[arg-type]
+        except PushLegError as exc:  # a KeyError in vLLM's scheduler is fatal to its engine core (seen)
+            self.engine.dead = f"EngineCore encountered a fatal error: {exc}"
+            raise
         engine, s = self.engine, self.engine.settings
         waiter = Waiter(table, asyncio.get_running_loop().create_future())
         self.waiting[req.request_id] = waiter
@@ -331,6 +351,7 @@ def push_routes(engine: Pushes) -> list[HTTPRouteHandler]:
         if data.push_fault not in ("none", "fail-prefill", "never-write"):
             return _answer(400, f"unknown push fault {data.push_fault!r}")
         engine.settings = msgspec.structs.replace(engine.settings, push_fault=data.push_fault)
-        return _json({"push_fault": data.push_fault})
+        engine.push_sender.fault_left = data.times if data.push_fault != "none" else None
+        return _json({"push_fault": data.push_fault, "times": engine.push_sender.fault_left})
 
     return [push_register, push_write, push_fault]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Awaitable
+from typing import Any
 
 import msgspec
 
@@ -34,18 +35,22 @@ class DecodeLeg:
         self.metrics, self.settings = metrics, settings
 
     async def run(self, turn: Turn) -> TurnReply:
-        if turn.req.stream and self.settings.stream_handle_policy == "miss":
+        if self.streams(turn):
             return await self._stream(turn)
         return await self._json(turn)
 
+    def streams(self, turn: Turn) -> bool:
+        """D's answer is relayed as it comes (else a JSON leg, re-streamed if the client asked for a stream)."""
+        return turn.req.stream and self.settings.stream_handle_policy == "miss"
+
     async def _json(self, turn: Turn) -> TurnReply:
         began = time.perf_counter()
-        body = decode_body(turn.req, turn.prefill_handle, local=turn.plan.local)
+        body = self._body(turn)
         body["stream"] = False
         body.pop("stream_options", None)
         clock = turn.req.clock
         response = await self.calls.leg("decode", turn.decode, self.client.post_json(
-            turn.decode.url, turn.req.endpoint, body, timeout_s=self.settings.decode_first_byte_timeout_s,
+            turn.decode.url, turn.req.endpoint, body, timeout_s=self._first_byte_s(turn),
             headers=turn.leg_headers("decode"), on_sent=clock.decode_out, on_answer=clock.decode_in))
         self.outcome.release_held_back(turn)
         self.outcome.observe("decode_ttft", began)
@@ -61,14 +66,29 @@ class DecodeLeg:
         return TurnReply(headers, body=_encode(view))
 
     async def _stream(self, turn: Turn) -> TurnReply:
-        body = decode_body(turn.req, turn.prefill_handle, local=turn.plan.local)
+        stream, sent = await self.open_stream(turn)
+        return self.relayed(turn, stream, sent)
+
+    async def open_stream(self, turn: Turn) -> tuple[EngineStream, float]:
+        """D's streamed leg, up to its response headers (and when it was sent)."""
+        body = self._body(turn)
         sent = time.perf_counter()
         stream = await self.calls.leg("decode", turn.decode, self.client.open_stream(
             turn.decode.url, turn.req.endpoint, body,
-            first_byte_timeout_s=self.settings.decode_first_byte_timeout_s,
+            first_byte_timeout_s=self._first_byte_s(turn),
             idle_timeout_s=self.settings.decode_idle_timeout_s, headers=turn.leg_headers("decode"),
             on_sent=turn.req.clock.decode_out))
+        return stream, sent
+
+    def relayed(self, turn: Turn, stream: EngineStream, sent: float) -> TurnReply:
         return TurnReply(turn.reply_headers(self.settings.pd_headers), stream=self._relay(turn, stream, sent))
+
+    def _body(self, turn: Turn) -> dict[str, Any]:
+        return decode_body(turn.req, turn.prefill_handle, local=turn.plan.local, push=turn.plan.push, pair=turn.pair)
+
+    def _first_byte_s(self, turn: Turn) -> float:
+        """A push pair's D first waits for P's prefill and WRITE: the pair's own deadline (push_leg.py)."""
+        return turn.pair.decode_wait_s if turn.pair else self.settings.decode_first_byte_timeout_s
 
     async def _relay(self, turn: Turn, stream: EngineStream, sent: float) -> AsyncGenerator[bytes, None]:
         """Pass D's SSE events through as they come, minus engine internals; record before `[DONE]`."""
@@ -92,7 +112,7 @@ class DecodeLeg:
                                                                  turn.req.want_token_ids))))
                 if frames:
                     yield b"".join(frames)
-            if not capture.handle and capture.finished:
+            if not capture.handle and capture.finished and not turn.plan.push:     # push: D never returns one
                 self.metrics.handles_missing.labels(Reason.HANDLE_NOT_STREAMED.value).inc()
             await self.outcome.record(turn, capture)
             recorded = True

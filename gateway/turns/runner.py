@@ -1,6 +1,6 @@
 """One turn, top to bottom: admit, claim the conversation, plan, pick D then P, run the legs, record.
-Read this file to know what a request does; the legs are prefill_leg.py and decode_leg.py, the ending
-outcome.py.
+Read this file to know what a request does; the legs are prefill_leg.py and decode_leg.py (in push mode both
+at once: push_leg.py), the ending outcome.py.
 
 The legs only report what happened (`LegSetback`); `plan.replan` decides what comes next. Retries only where
 safe: an engine that refused the connection never saw the request, so the same leg goes to another engine
@@ -18,6 +18,7 @@ from gateway.engines import routing
 from gateway.engines.client import EngineClient
 from gateway.engines.engine import Engine
 from gateway.engines.pool import EnginePool
+from gateway.engines.transfer import Mode
 from gateway.errors import EngineUnavailableError
 from gateway.store import Conversation, ConversationKey, StoreUnavailableError
 from gateway.telemetry import Metrics
@@ -29,6 +30,7 @@ from gateway.turns.legs.calls import EngineCalls, LegSetback
 from gateway.turns.legs.release import HandleReleaser
 from gateway.turns.outcome import TurnOutcome
 from gateway.turns.prefill_leg import PrefillLeg
+from gateway.turns.push_leg import PushLeg
 from gateway.turns.reuse import plan as plans
 from gateway.turns.reuse.lookup import How
 from gateway.turns.reuse.cost import TurnShape
@@ -42,7 +44,7 @@ from gateway.turns.turn import Turn, TurnReply
 class TurnRunner:
     def __init__(self, *, client: EngineClient, prefill: EnginePool, decode: EnginePool,
                  state: ConversationState, calls: EngineCalls, releaser: HandleReleaser, metrics: Metrics,
-                 settings: Settings, tracing: Tracing = NO_TRACING) -> None:
+                 settings: Settings, tracing: Tracing = NO_TRACING, transfer_mode: Mode = "pull") -> None:
         self.client, self.prefill_pool, self.decode_pool = client, prefill, decode
         self.state, self.calls, self.releaser = state, calls, releaser
         self.metrics, self.settings, self.tracing = metrics, settings, tracing
@@ -51,6 +53,9 @@ class TurnRunner:
         self.outcome = TurnOutcome(state, releaser, metrics)
         self.prefill_leg = PrefillLeg(client, calls, self.rates, self.outcome, settings)
         self.decode_leg = DecodeLeg(client, calls, self.outcome, self.rates, metrics, settings)
+        # push mode (docs/protocol.md §8): plans are pairs, P's and D's legs sent together
+        self.push = transfer_mode == "push"
+        self.push_leg = PushLeg(self.prefill_leg, self.decode_leg, calls, metrics, settings, self._pick)
 
     def claim_ahead(self, session: ConversationKey | None) -> ClaimAhead:
         """`async with` it around rendering and `run`: the store's claim overlaps the rendering (state.py)."""
@@ -76,9 +81,15 @@ class TurnRunner:
     async def drain(self) -> None:
         await self.state.drain()          # put-backs first: one that finds a newer turn releases its handle
         await self.releaser.drain()
+        await self.push_leg.drain()       # P legs whose WRITE frees blocks on D
 
     # -- planning ------------------------------------------------------------------------------------------
     async def _plan(self, turn: Turn, ahead: ClaimAhead | None) -> None:
+        await self._first_plan(turn, ahead)
+        if self.push:
+            turn.plan = plans.in_push_mode(turn.plan)
+
+    async def _first_plan(self, turn: Turn, ahead: ClaimAhead | None) -> None:
         try:
             found, claim = await self.state.begin(turn.req, turn.session, turn.tenant, ahead)
         except StoreUnavailableError:
@@ -93,13 +104,19 @@ class TurnRunner:
         if found.how is How.NEW:
             turn.plan = plans.full(Reason.NO_SESSION)
             return
-        turn.plan = plans.first_plan(turn.req.prompt_ids, claim)
+        first = plans.first_push_plan if self.push else plans.first_plan
+        turn.plan = first(turn.req.prompt_ids, claim)
 
     def _choose_path(self, turn: Turn) -> Engine | None:
         """Once D is picked: the local path when the holder D can compute the short new suffix itself, and under
         `reuse_policy: cost` the cheapest of local, P reading and P recomputing (`plan.by_path`, for the P picked
         now: returned, for the first P leg). Under `always` a turn that may go local does; the rest read."""
         record = turn.start.record if turn.start else None
+        if turn.plan.push and record is not None:     # push: no handle; D alone where its cache serves
+            on_holder = turn.decode is not None and turn.decode.url == record.decode_engine
+            turn.plan = plans.push_path(turn.plan, len(turn.req.prompt_ids), record.block_size, on_holder,
+                                        self.settings.local_prefill_max_tokens)
+            return None
         if turn.plan.handle is None or record is None:
             return None
         shape = self._shape(turn, record)
@@ -150,7 +167,8 @@ class TurnRunner:
 
     # -- the legs ------------------------------------------------------------------------------------------
     async def _legs(self, turn: Turn) -> TurnReply:
-        """D is chosen first (its holder decides whether a handle is usable at all), then P runs, then D."""
+        """D is chosen first (its holder decides whether a handle is usable at all), then P runs, then D; in push
+        mode P and D as one pair."""
         turn.decode = self._pick(turn, "decode")
         prefill = self._choose_path(turn)      # the cost plan needs its P: picked now, used by the first P leg
         leg: Leg = turn.plan.first_leg
@@ -160,6 +178,9 @@ class TurnRunner:
                     chosen, prefill = prefill or self._pick(turn, "prefill"), None
                     await self.prefill_leg.run(turn, chosen)
                     leg = "decode"
+                elif leg == "pair":
+                    chosen, prefill = prefill or self._pick(turn, "prefill"), None
+                    return await self.push_leg.run(turn, chosen)
                 else:
                     return await self.decode_leg.run(turn)
             except LegSetback as setback:

@@ -14,6 +14,7 @@ from gateway.tracing import NO_TURN, TurnTrace
 from gateway.turns.admission import Ticket
 from gateway.turns.intake.request import TurnRequest
 from gateway.turns.legs.calls import LegSetback
+from gateway.turns.legs.pair import PushPair
 from gateway.turns.reuse import plan as plans
 from gateway.turns.reuse.lookup import How
 from gateway.turns.reuse.plan import Leg, Plan, Reason, Replan
@@ -46,6 +47,7 @@ class Turn:
     tenant: str = DEFAULT_TENANT
     how: How = How.NEW                                 # how its conversation was found (X-PD-Conversation)
     held_back: list[tuple[kv.Handle, str]] = field(default_factory=list)   # releases sent once D has answered
+    pair: PushPair | None = None                       # push mode: the pair its legs belong to now
 
     def take(self, setback: LegSetback, step: Replan) -> None:
         """Apply the planner's answer to a setback: exclude the engine, spend a retry (or give up)."""
@@ -72,9 +74,11 @@ class Turn:
         return min(self.plan.reused_tokens, len(self.req.prompt_ids))
 
     def leg_headers(self, leg: Leg) -> dict[str, str]:
-        """X-Request-Id for correlation; opens the leg's span, whose traceparent goes along when tracing is on."""
+        """X-Request-Id for correlation (in push mode the pair's, which is what pairs the legs on P); opens the
+        leg's span, whose traceparent goes along when tracing is on."""
         engine = self.prefill if leg == "prefill" else self.decode
-        return {"X-Request-Id": self.req.request_id, **self.trace.leg(leg, engine.url, self.plan).headers}
+        request_id = self.pair.request_id if self.pair else self.req.request_id
+        return {"X-Request-Id": request_id, **self.trace.leg(leg, engine.url, self.plan).headers}
 
     def reply_headers(self, pd_headers: bool) -> dict[str, str]:
         headers = {"X-Request-Id": self.req.request_id}

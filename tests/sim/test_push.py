@@ -38,17 +38,19 @@ def p_leg(p: Server, messages: list[dict[str, Any]], rid: str, timeout: float = 
                             "kv_transfer_params": P_LEG_PARAMS})
 
 
-def push_params(p: Server, engine_id: str) -> dict[str, Any]:
-    """P's identity instead of P's blocks (docs/protocol.md §8.2)."""
+def push_params(p: Server, engine_id: str, rid: str = "x") -> dict[str, Any]:
+    """P's identity instead of P's blocks (docs/protocol.md §8.2); `remote_request_id` as a concurrent dispatcher
+    can know it, P's id without its random suffix (vLLM 0.32 needs the field)."""
     return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine_id,
-            "remote_host": "127.0.0.1", "remote_port": p.port, "tp_size": 1, "pp_size": 1}
+            "remote_host": "127.0.0.1", "remote_port": p.port, "tp_size": 1, "pp_size": 1,
+            "remote_request_id": f"chatcmpl-{rid}"}
 
 
 def d_leg(d: Server, p: Server, engine_id: str, messages: list[dict[str, Any]], rid: str, timeout: float = 30,
           **body: Any) -> httpx.Response:
     return httpx.post(d.url + "/v1/chat/completions", headers={"X-Request-Id": rid}, timeout=timeout,
                       json={"model": "demo", "messages": messages, "return_token_ids": True,
-                            "kv_transfer_params": push_params(p, engine_id), **body})
+                            "kv_transfer_params": push_params(p, engine_id, rid), **body})
 
 
 def wait_until(check: Callable[[], bool], within_s: float = 5.0) -> bool:
@@ -279,11 +281,19 @@ def test_d_that_cannot_reach_p_fails_under_fail(sims: Sims, trio: tuple[Server, 
     assert ds["kv_load_failures"] == 1 and ds["push_waiting"] == 0 and ds["blocks_in_use"] == 0
 
 
-def test_push_leg_without_tp_size_is_an_error(sims: Sims, trio: tuple[Server, Server, Server]) -> None:
+@pytest.mark.parametrize("field", ["tp_size", "remote_request_id"])
+def test_push_leg_without_a_field_vllm_reads_kills_ds_engine(sims: Sims, trio: tuple[Server, Server, Server],
+                                                             field: str) -> None:
+    """vLLM 0.32 reads them with params[...] in its scheduler: the KeyError is fatal to D's engine core (seen for
+    remote_request_id on the CPU tier, nixl/metadata.py:334). Every later request fails, /health too."""
     p, d, _ = trio
-    params = {k: v for k, v in push_params(p, sims.stats(p)["engine_id"]).items() if k != "tp_size"}
+    params = {k: v for k, v in push_params(p, sims.stats(p)["engine_id"]).items() if k != field}
     resp = sims.raw_chat(d, {"messages": [user("hi")], "kv_transfer_params": params})
     assert resp.status_code == 500 and sims.stats(d)["blocks_in_use"] == 0
+    assert sims.raw_chat(d, {"messages": [user("hello")]}).status_code == 500
+    assert sims.http.get(d.url + "/health").status_code == 500
+    sims.reset(d)                                     # the test hook: as if restarted
+    assert sims.http.get(d.url + "/health").status_code == 200
 
 
 def test_mixed_pools_fail_the_handshake(sims: Sims, fleet: Fleet) -> None:
@@ -296,3 +306,15 @@ def test_mixed_pools_fail_the_handshake(sims: Sims, fleet: Fleet) -> None:
     pull_id = sims.stats(p_pull)["engine_id"]
     assert d_leg(d_push, p_pull, pull_id, messages, "t-mixed2").status_code == 500
     assert sims.stats(d_push)["kv_load_failures"] == 1 and sims.stats(d_pull)["kv_load_failures"] == 1
+
+
+def test_a_counted_fault_applies_to_that_many_p_legs(sims: Sims, trio: tuple[Server, Server, Server]) -> None:
+    """A test hook for transient failures: `times` P legs get the fault, then it turns itself off."""
+    p, _, _ = trio
+    answer = sims.post(p, "/sim/push-fault", {"push_fault": "fail-prefill", "times": 2}).json()
+    assert answer == {"push_fault": "fail-prefill", "times": 2}
+    messages = [user(long_text(12, "ct"))]
+    assert [p_leg(p, messages, f"t-count{i}").status_code for i in range(3)] == [500, 500, 200]
+    sims.post(p, "/sim/push-fault", {"push_fault": "never-write", "times": 1}).raise_for_status()
+    assert p_leg(p, messages, "t-count3").status_code == 200 and p_leg(p, messages, "t-count4").status_code == 200
+    assert sims.stats(p)["push_writes_withheld"] == 1          # the second one staged its blocks for D

@@ -82,3 +82,20 @@ def test_only_a_withheld_partial_character_is_forgiven():
     assert r.answer(ids, "General Kenobi\ufffd") is not None     # a decode that kept the tail: plain equality
     words = r.tokenizer.encode("General Kenobi", add_special_tokens=False)
     assert r.answer(words, "General Keno") is None               # dropped text that was whole characters
+
+
+# -- an answer whose text holds a token of its own ---------------------------------------------------------
+def test_an_answer_holding_an_added_token_is_spliced_whole():
+    """Seen with the unconstrained model on vLLM: a plain answer whose text holds `<tool_response>` (a token of
+    its own) spans several pieces, so no piece ended with its text: it was encoded again from its text, and the
+    next prompt left D's ids (prefix_diverged). Now it is spliced as a span, like a tool call's text."""
+    r = Renderer("builtin:demo")
+    text = "General <tool_response> Kenobi"
+    split = [t for ch in "General " for t in r.tokenizer.encode(ch, add_special_tokens=False)]
+    split += r.tokenizer.encode("<tool_response> Kenobi", add_special_tokens=False)
+    assert r.decode(split) == text and split != r.tokenizer.encode(text, add_special_tokens=False)
+    kept = r.answer(split, text)
+    messages = [*MESSAGES[:1], {"role": "assistant", "content": text}, *MESSAGES[2:]]
+    spliced = r.render_chat(messages, answers=[kept])
+    header = r.render_chat(MESSAGES[:1])
+    assert spliced[:len(header) + len(split)] == header + split   # the next prompt extends what D holds

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 from array import array
+from collections import Counter
 from typing import Any
 
 import msgspec
@@ -169,19 +170,31 @@ def old_splice(r: Renderer, text: str, answers: list[Answer], spans=()) -> list[
        split_answers=st.lists(st.booleans(), max_size=6))
 def test_splicing_from_the_start_is_the_old_splice(stack: Stack, history, split_answers) -> None:
     messages = [{"role": role, "content": text} for role, text in history]
-    answers = []
+    answers, ids_by_text = [], {}
     for (role, text), split in zip(history, split_answers):
         if role == "assistant" and text:
             tokens = stack.whole.tokenizer.encode(text, add_special_tokens=False)
             if split:
                 tokens = [t for ch in text for t in stack.whole.tokenizer.encode(ch, add_special_tokens=False)]
             answers.append(answer(text, tokens))
+            ids_by_text[text] = tokens
     try:
         text = stack.fresh.template(messages, tools=stack.tools)
     except Exception:
         return
     got = stack.fresh.render_chat(messages, answers=answers, rendered=text, tools=stack.tools)
-    assert list(got) == old_splice(stack.whole, text, answers)
+    spans = _spans(stack.whole, text, [m["content"] for m in messages if m["role"] == "assistant"], ids_by_text)
+    assert list(got) == old_splice(stack.whole, text, answers, spans)
+
+
+def _spans(r: Renderer, text: str, contents: list[str], ids_by_text: dict[str, list[int]]) -> list:
+    """Answers whose text holds a special token's text are spliced whole (generated.py), where each such text
+    shows in the rendering only as often as it is an answer's."""
+    specials = exact_specials(dict(r.tokenizer.added_tokens_decoder))
+    spans = [(c, ids_by_text[c]) for c in contents if c in ids_by_text and any(s in c for s in specials)]
+    if any(text.count(t) != n for t, n in Counter(t for t, _ in spans).items()):
+        return []
+    return spans
 
 
 # -- the continuation falls back where it would not be exact ------------------------------------------------

@@ -93,3 +93,40 @@ def test_reuse_sentence(reports, settings, store_ok, starts):
 def test_reuse_sentence_names_the_store_scope():
     assert "--redis-url" in startup._reuse([engine()], Settings(), True)
     assert "any gateway replica" in startup._reuse([engine()], Settings(redis_url="redis://r:6379"), True)
+
+
+# -- push mode (docs/protocol.md §8) --------------------------------------------------------------------------
+PUSH_KV = {"connector": "NixlPushConnector", "bidirectional": False, "failure_policy": "fail"}
+
+
+def push_engine(role="prefill", **kw) -> EngineReport:
+    kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
+    return engine(role, kv_transfer={**PUSH_KV, "role": kv_role}, **kw)
+
+
+def test_push_mode_needs_no_bidirectional_transfer_and_reports_its_identities():
+    from gateway.engines.transfer import Seen, decide
+    reports = [push_engine(push_identity="p0@h:5600 tp 1 pp 1"), push_engine("decode")]
+    mode = decide("auto", [Seen(r.role, r.url, "push") for r in reports])
+    assert startup._transfer(reports, mode) == []
+    assert "push identity p0@h:5600" in reports[0].line()
+    unlearned = startup._transfer([push_engine(), push_engine("decode")], mode)
+    assert [f.level for f in unlearned] == ["warn"] and "push identity not learned" in unlearned[0].text
+
+
+def test_a_refused_mode_is_a_failing_finding():
+    from gateway.engines.transfer import Seen, decide
+    reports = [push_engine(), engine("decode")]
+    mode = decide("auto", [Seen("prefill", "http://prefill:1", "push"), Seen("decode", "http://decode:1", "pull")])
+    found = startup._transfer(reports, mode)
+    assert any(f.level == "fail" and "mixed KV-transfer modes" in f.text for f in found)
+
+
+@pytest.mark.parametrize(("settings", "store_ok", "words"), [
+    ({}, True, "a later turn goes to the same D alone (local) when D would compute at most 256"),
+    ({"local_prefill_max_tokens": 0}, True, "the local path is off"),
+    ({}, False, "degraded"),
+])
+def test_push_reuse_sentence(settings, store_ok, words):
+    sentence = startup._reuse([push_engine(), push_engine("decode")], Settings(**settings), store_ok, push=True)
+    assert words in sentence and (sentence.startswith("push:") or not store_ok)

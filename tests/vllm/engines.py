@@ -60,12 +60,12 @@ TOOL_FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 
 
 def kv_transfer_config(role: Role, engine_id: str, *, policy: str, bidirectional: bool = True,
-                       pin_ttl_s: int = PIN_TTL_S) -> dict[str, Any]:
+                       pin_ttl_s: int = PIN_TTL_S, connector: str = "NixlConnector") -> dict[str, Any]:
     extra: dict[str, Any] = {"bidirectional_kv_xfer": bidirectional}
     if role == "decode":
         extra["decoder_kv_blocks_ttl"] = pin_ttl_s
         extra["kv_lease_duration"] = pin_ttl_s        # LOCAL_LEASE_S by default
-    return {"kv_connector": "NixlConnector", "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+    return {"kv_connector": connector, "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
             "engine_id": engine_id, "kv_buffer_device": "cpu", "kv_load_failure_policy": policy,
             "kv_connector_extra_config": extra}
 
@@ -149,7 +149,7 @@ class Engine:
 
 def launch(python: str, model: Path, role: Role, engine_id: str, log_dir: Path, *, policy: str = "recompute",
            bidirectional: bool = True, pin_ttl_s: int = PIN_TTL_S, env: dict[str, str] | None = None,
-           flags: list[str] | None = None) -> Engine:
+           flags: list[str] | None = None, connector: str = "NixlConnector") -> Engine:
     """Start one vLLM server; does not wait (see `wait_healthy`), so several can start at once."""
     port = _free_port()
     side_port = _free_port() if role != "colocated" else None
@@ -157,7 +157,7 @@ def launch(python: str, model: Path, role: Role, engine_id: str, log_dir: Path, 
            "--port", str(port), *FLAGS, *(flags or [])]
     if role != "colocated":
         config = kv_transfer_config(role, engine_id, policy=policy, bidirectional=bidirectional,
-                                    pin_ttl_s=pin_ttl_s)
+                                    pin_ttl_s=pin_ttl_s, connector=connector)
         cmd += ["--kv-transfer-config", json.dumps(config)]
     full_env = {**_clean(os.environ), **ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": CPU[role],
                 **json.loads(os.environ.get(OVERRIDE_ENV, "{}")), **(env or {})}

@@ -12,7 +12,9 @@ where that gives the same as splicing from the start; this module says what is s
 Answers that called tools are kept under the key of their content and calls as parsed (`tools.calls_key`): the
 client sends them back as `tool_calls`, which the template re-renders from parsed JSON, not as D's text. An
 assistant message whose content and calls have a kept key is rendered as D's text instead (`substitutions`),
-and that text, which spans several pieces (<tool_call> is a token of its own), is sent as D's ids.
+and that text, which spans several pieces (<tool_call> is a token of its own), is sent as D's ids. So is a plain
+answer whose text holds a token of its own (a model may emit `<tool_response>` or `<think>` in its text: seen
+with the unconstrained model on vLLM): no piece ends with its whole text, so it is spliced as a span too.
 
 Which text belongs to D's ids is what the engine's detokenizer made of them, not a plain decode: vLLM decodes
 incrementally and holds text back while it ends inside a UTF-8 character (U+FFFD so far), so an answer whose
@@ -22,6 +24,7 @@ without that tail, while decoding the ids gives it as U+FFFD. `text_of` accepts 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -83,7 +86,12 @@ class Substitutions:
 
     def only_difference(self, swapped: str, plain: str) -> bool:
         """Whether `swapped` shows every span's text, in order, and is `plain` with only those places changed
-        (whatever the template rendered for the calls there): plain = s0 X1 s1 X2 ... sn, swapped = s0 T1 s1 ..."""
+        (whatever the template rendered for the calls there): plain = s0 X1 s1 X2 ... sn, swapped = s0 T1 s1 ...
+        Each span's text must show no more often than it is a span: the splice puts D's ids at its first showing,
+        and a text the template also writes (an answer that is `<think>` alone, or the end-of-turn token's text)
+        would put them in the wrong place."""
+        if any(swapped.count(t) != n for t, n in Counter(t for t, _ in self.spans).items()):
+            return False
         segments, pos = [], 0
         for generated_text, _ in self.spans:
             at = swapped.find(generated_text, pos)
@@ -103,14 +111,21 @@ class Substitutions:
         return plain.endswith(last) and len(plain) - len(last) >= pos
 
 
-def substitutions(messages: list[dict[str, Any]], answers: list[Answer],
-                  decode: Callable[[list[int]], str]) -> Substitutions | None:
-    """Assistant messages whose content and tool calls are a kept answer's, as plain messages with D's text."""
+def substitutions(messages: list[dict[str, Any]], answers: list[Answer], decode: Callable[[list[int]], str],
+                  splits: Callable[[str], bool] = lambda text: False) -> Substitutions | None:
+    """Assistant messages whose content and tool calls are a kept answer's, as plain messages with D's text; and
+    kept plain answers whose text `splits` into several pieces, as they are, each a span of D's ids."""
     kept = {(a.chars, a.text_hash): a.ids for a in answers}
     out, spans = [], []
     for i, message in enumerate(messages):
-        ids = kept.get(memo(messages, i, "calls_key", lambda: _key(message))) \
-            if message.get("role") == "assistant" and message.get("tool_calls") else None
+        ids, content = None, message.get("content")
+        if message.get("role") == "assistant" and message.get("tool_calls"):
+            ids = kept.get(memo(messages, i, "calls_key", lambda: _key(message)))
+        elif message.get("role") == "assistant" and isinstance(content, str) and content and splits(content):
+            if (ids := kept.get((len(content), text_hash(content)))) is not None:
+                out.append(message)
+                spans.append((content, ids))
+                continue
         if ids is None:
             out.append(message)
             continue

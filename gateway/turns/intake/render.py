@@ -121,7 +121,7 @@ class Renderer:
         difference from the plain rendering: a template that rewrites past answers, or renders other messages
         differently once an assistant message has no tool_calls, keeps the plain rendering."""
         assert self.prompts is not None
-        generated = substitutions(messages, answers, self._decoded)
+        generated = substitutions(messages, answers, self._decoded, self._splits)
         if generated:
             try:
                 swapped = self.template(generated.messages, **template)
@@ -130,6 +130,11 @@ class Renderer:
             if swapped is not None and generated.only_difference(swapped, text):
                 return self.prompts.encode(swapped, lineage, answers, generated.spans)
         return self.prompts.encode(text, lineage, answers)
+
+    def _splits(self, text: str) -> bool:
+        """The text holds a token of its own (a special or added token's text): it is more than one piece."""
+        assert self.pieces is not None
+        return len(self.pieces.split(text)) > 1
 
     def template(self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None,
                  add_generation_prompt: bool = True, continue_final_message: bool = False,

@@ -1,4 +1,4 @@
-"""The legs of a turn as vLLM wants them (docs/protocol.md §3, §9): request bodies, and what P's answer says."""
+"""The legs of a turn as vLLM wants them (docs/protocol.md §3, §8, §9): request bodies, and what P's answer says."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import msgspec
 
 from gateway.engines import kv
 from gateway.turns.intake.request import TurnRequest
+from gateway.turns.legs.pair import PushPair
 
 # Fields that only make sense on the leg that produces the client's answer.
 _DECODE_ONLY = ("stream", "stream_options", "min_tokens", "max_completion_tokens", "logprobs", "top_logprobs")
@@ -24,13 +25,22 @@ def prefill_body(req: TurnRequest, handle: kv.Handle | None, *, confirm_ids: boo
     return _with_prompt(req, body)
 
 
-def decode_body(req: TurnRequest, prefill_handle: kv.Handle | None, *, local: bool = False) -> dict[str, Any]:
+def decode_body(req: TurnRequest, prefill_handle: kv.Handle | None, *, local: bool = False,
+                push: bool = False, pair: PushPair | None = None) -> dict[str, Any]:
     """D's leg: read P's handle (None: D prefills itself); `local`: D alone computes what its prefix cache lacks
-    and holds the result for the next turn's reader."""
+    and holds the result for the next turn's reader. `push` (docs/protocol.md §8.2): D waits for the WRITE of
+    the pair's P (P's handle is not D's business there), or without a pair computes alone and holds nothing."""
     body = dict(req.forwarded)
     body["return_token_ids"] = True
     pinned = _pinned_ids(req)
-    body[kv.WIRE_KEY] = kv.local_params(pinned) if local else kv.decode_params(prefill_handle, pinned)
+    if push:
+        target = pair.target if pair is not None and not local else None
+        p_id = kv.engine_base_id(req.endpoint, pair.request_id) if pair is not None else ""
+        params = kv.push_decode_params(target, pinned, p_id)
+    else:
+        params = kv.local_params(pinned) if local else kv.decode_params(prefill_handle, pinned)
+    if params or not push:     # push, D alone on completions: no params at all (vLLM reads {} as none)
+        body[kv.WIRE_KEY] = params
     return _with_prompt(req, body)
 
 

@@ -1,5 +1,7 @@
 """The turn's plan: reuse (P reads D's whole handle), partial (a truncated handle), full (no handle), or local
-(the holder D computes the new suffix itself from its own prefix cache, no P leg), with a reason.
+(the holder D computes the new suffix itself from its own prefix cache, no P leg), with a reason. In push mode
+(docs/protocol.md §8) no D->P read exists: a later turn is local where it applies, else full (`push_mode`),
+and P's and D's legs go out together as one pair.
 
 Pure decisions, in one place: `first_plan` from what the store returned and what the prompt rendered to,
 `by_cost` for which of the three paths (local on D, P reading D's KV, P recomputing) is cheapest once the engines
@@ -18,7 +20,7 @@ from gateway.turns.reuse.continuity import Fingerprint, check
 from gateway.turns.reuse.cost import CostReason, Path, PathCosts, TurnShape, choose_path
 
 
-Leg = Literal["prefill", "decode"]
+Leg = Literal["prefill", "decode", "pair"]      # "pair": push mode's P and D legs, sent together
 
 
 class PlanKind(StrEnum):
@@ -51,6 +53,7 @@ class Reason(StrEnum):
     SHORT_SUFFIX = "short_suffix"              # local: the holder D computes the short new suffix itself
     P_PATH_FASTER = "p_path_faster"            # within the local bound, but the cost plan found a P path faster
     LEASE_TOO_SHORT = "lease_too_short"        # within the local bound, but turns come further apart than D's lease
+    PUSH_MODE = "push_mode"                    # push mode: no D->P read exists; P prefills (its own cache helps)
 
 
 @dataclass(frozen=True)
@@ -61,11 +64,15 @@ class Plan:
     handle: Handle | None = None        # what P reads D's KV through (None: a full prefill); local: kept unread
     release: Handle | None = None       # a claimed handle this turn will not use: free D's blocks
     instead: Plan | None = None         # local: the P path it replaced, for when D fails
+    push: bool = False                  # push mode: P and D legs as one pair (no handle, nothing released)
+    verified_tokens: int = 0            # push: the prompt's prefix D computed last turn (continuity-checked)
 
     @property
     def first_leg(self) -> Leg:
-        """The leg the runner starts with: D alone on the local path, P first on every other."""
-        return "decode" if self.kind is PlanKind.LOCAL else "prefill"
+        """The leg the runner starts with: D alone on the local path, else P first, or in push mode the pair."""
+        if self.kind is PlanKind.LOCAL:
+            return "decode"
+        return "pair" if self.push else "prefill"
 
     @property
     def local(self) -> bool:
@@ -122,7 +129,7 @@ def local_hit(plan: Plan, prompt_tokens: int, block_size: int) -> int:
 
 def to_local(plan: Plan, hit_tokens: int) -> Plan:
     """The P-path plan as a local one: D alone, its cache holding `hit_tokens` of the prompt."""
-    return Plan(PlanKind.LOCAL, Reason.SHORT_SUFFIX, hit_tokens, plan.handle, instead=plan)
+    return Plan(PlanKind.LOCAL, Reason.SHORT_SUFFIX, hit_tokens, plan.handle, instead=plan, push=plan.push)
 
 
 def by_shape(plan: Plan, shape: TurnShape) -> Plan:
@@ -157,6 +164,43 @@ def by_path(plan: Plan, costs: PathCosts, shape: TurnShape) -> Plan:
     return plan
 
 
+# -- push mode (issue 26, docs/protocol.md §8) ---------------------------------------------------------------
+def in_push_mode(plan: Plan) -> Plan:
+    """A plan made before anything was known of the conversation (no session, store down): the same, as a pair."""
+    return plan if plan.push else replace(plan, push=True, handle=None, release=None)
+
+
+def first_push_plan(prompt: list[int], claim: Claim) -> Plan:
+    """Push mode: D returns no handle, so there is nothing to read or release; what a later turn can still use
+    is D's own prefix cache. The continuity check says how much of the prompt D computed last turn (what its
+    cache may still hold: nothing pins it, so it is a bet, never a correctness risk, the cache being keyed by
+    the tokens themselves); `push_path` decides whether D alone serves the turn."""
+    if claim.first_turn:
+        return Plan(PlanKind.FULL, Reason.FIRST_TURN, push=True)
+    if claim.missing is not None and claim.missing is not Reason.PUSH_MODE:
+        return Plan(PlanKind.FULL, claim.missing, push=True)        # a concurrent turn, a failed one, ...
+    if claim.held is None or not claim.holder_usable or not claim.same_model:
+        reason = Reason.NO_HANDLE if claim.held is None else (
+            Reason.DECODE_UNAVAILABLE if not claim.holder_usable else Reason.MODEL_CHANGED)
+        return Plan(PlanKind.FULL, reason, push=True)
+    verdict = check(prompt, claim.held, partial_allowed=True)
+    if verdict.kind == "full":
+        return Plan(PlanKind.FULL, Reason(verdict.reason), push=True)
+    return Plan(PlanKind.FULL, Reason.PUSH_MODE, push=True, verified_tokens=verdict.reused_tokens)
+
+
+def push_path(plan: Plan, prompt_tokens: int, block_size: int, on_holder: bool, max_local_tokens: int) -> Plan:
+    """Local (D alone) when the picked D is the one that computed the verified prefix and would compute at most
+    `max_local_tokens` itself; else the pair, P prefilling (`push_mode`), D registering only what its cache
+    lacks. The cost plan's rates are pull mode's (P reading D's KV) and are not used here."""
+    if not plan.push or not plan.verified_tokens or not on_holder or block_size <= 0:
+        return plan
+    hit = min(plan.verified_tokens, prompt_tokens - 1) // block_size * block_size
+    if hit > 0 and prompt_tokens - hit <= max_local_tokens:
+        return to_local(plan, hit)
+    return plan
+
+
 # -- every later change -------------------------------------------------------------------------------------
 class Setback(StrEnum):
     """What a leg reports; the planner decides what it means."""
@@ -164,6 +208,7 @@ class Setback(StrEnum):
     TIMEOUT = "timeout"      # the engine missed its deadline
     FAILED = "failed"        # the engine answered with an error, garbage, or went away
     PARITY = "parity"        # P answered, but ran on other tokens than the ones verified
+    STALE = "stale"          # push: P's identity changed (P restarted) while its pair ran: redo it, nobody to blame
 
 
 @dataclass(frozen=True)
@@ -178,6 +223,8 @@ def replan(plan: Plan, leg: Leg, setback: Setback) -> Replan:
     """After a leg's setback. Only a refused connection keeps a handle (no engine saw it); anything else may
     have consumed it, so P is redone without one. A local turn's handle was never read (D only used its own
     prefix cache): when D fails, P reads it as on the long path, through another D if D is to blame."""
+    if plan.push:
+        return _replan_pair(plan, leg, setback)
     if plan.local and plan.instead is not None:
         if setback is Setback.REFUSED:        # the holder is down: nobody can read its KV
             return Replan(full(Reason.DECODE_FAILED, release=plan.handle), "prefill", blame=True, costs_retry=True)
@@ -198,3 +245,13 @@ def replan(plan: Plan, leg: Leg, setback: Setback) -> Replan:
     # not at fault; one that timed out without a handle is.
     blame = not (setback is Setback.TIMEOUT and with_handle)
     return Replan(after, "prefill", blame=blame, costs_retry=True)
+
+
+def _replan_pair(plan: Plan, leg: Leg, setback: Setback) -> Replan:
+    """Push mode, once a pair is given up (the same-id redos inside one pair are `turns/reuse/pairing.py`'s): a
+    new pair, with a new request id. D failing on a local turn: the pair, on another D."""
+    if setback is Setback.STALE:
+        return Replan(plan, "pair", blame=False, costs_retry=True)
+    if leg == "decode" and setback is not Setback.REFUSED or plan.local:
+        return Replan(Plan(PlanKind.FULL, Reason.DECODE_FAILED, push=True), "pair", blame=True, costs_retry=True)
+    return Replan(plan, "pair", blame=True, costs_retry=True)

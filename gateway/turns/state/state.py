@@ -121,13 +121,13 @@ class ConversationState:
         handle, victims = self.pins.admit(session, served.decode, handle, now)
         previous = start.record
         num_tokens, held = held_fingerprint(      # hashes only the blocks the plan did not verify
-            req.prompt_ids, capture.prompt_ids, capture.output_ids, handle.num_tokens if handle else 0,
+            req.prompt_ids, capture.prompt_ids, capture.output_ids, _held_tokens(handle, plan, capture),
             self.block_size, previous=fingerprint(previous), verified_tokens=plan.reused_tokens)
         record = Conversation(
             decode_engine=served.decode, prefill_engine=served.prefill, model=req.model,
             block_size=self.block_size, num_tokens=num_tokens, held_tokens=held.held_tokens,
             block_hashes=held.block_hashes, prefix_hash=held.prefix_hash,
-            handle_note="" if handle else (EVICTED if victims is None else _missing_note(req, capture)),
+            handle_note="" if handle else (EVICTED if victims is None else _missing_note(req, capture, plan)),
             answers=self._answers(req, start, capture), created_at=previous.created_at if previous else now,
             updated_at=now)
         try:
@@ -188,5 +188,18 @@ def _missing_reason(record: Conversation) -> Reason:
     return Reason(record.handle_note) if record.handle_note else Reason.NO_HANDLE
 
 
-def _missing_note(req: TurnRequest, capture: DecodeCapture) -> str:
+def _missing_note(req: TurnRequest, capture: DecodeCapture, plan: Plan) -> str:
+    if plan.push:
+        return Reason.PUSH_MODE.value          # D never returns a handle in push mode (docs/protocol.md §8.2)
     return Reason.HANDLE_NOT_STREAMED.value if req.stream and capture.finished else ""
+
+
+def _held_tokens(handle: kv.Handle | None, plan: Plan, capture: DecodeCapture) -> int:
+    """The tokens of D's KV the next turn may count on: what the handle holds; in push mode, with no handle, what
+    D computed or was written (prompt + output - 1), which only its prefix cache may still hold (nothing pins it:
+    the local path's bet, docs/protocol.md §8.2)."""
+    if handle is not None:
+        return handle.num_tokens or 0
+    if not plan.push or capture.prompt_ids is None or not capture.output_ids_seen:
+        return 0
+    return max(0, len(capture.prompt_ids) + len(capture.output_ids) - 1)
