@@ -44,7 +44,7 @@ from bench.agent_loop import record  # noqa: E402
 from bench.loadgen import percentile  # noqa: E402
 from bench.servers import Servers, get_json  # noqa: E402
 
-SECTION = "## 9. Warm turns the short way: the local path (`bench/local.py`)"
+SECTION = "## 11. Warm turns the short way: the local path (`bench/local.py`)"
 TIMING = ["--prefill-ms-per-token", "0.02", "--decode-ms-per-token", "8", "--transfer-ms-per-block", "0.05",
           "--transfer-ms-per-read", "40"]
 ENGINE = ["--num-blocks", "40000", "--max-model-len", "65536", "--stream-kv-params", "--output-tokens", "16:16"]

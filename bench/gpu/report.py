@@ -198,6 +198,27 @@ def local_md(ttft: dict, itl: dict | None, env: dict | None) -> list[str]:
     return out
 
 
+def push_md(pull: dict, push: dict, env: dict | None) -> list[str]:
+    """Push vs pull (issue 26): a full prefill through the gateway (stateless, P's cache cold: `full_coldP`) with
+    P and D on vLLM's NixlConnector and then on its NixlPushConnector, same engines' settings, one session."""
+    a, b = pull["table"].get("full_coldP", {}), push["table"].get("full_coldP", {})
+    out = ["## Push vs pull: a full prefill through the gateway", "",
+           "Stateless turns with a fresh `cache_salt` (`full_coldP`: P prefills everything, D receives all of it), "
+           "P and D restarted between the two modes with the same settings"
+           + (f" (transport `{env.get('transport')}`, vLLM {env.get('vllm')})" if env else "") +
+           ". In pull mode D's leg is sent after P answers and D reads P's blocks; in push mode the gateway sends "
+           "both legs at once and P writes into the blocks D registered. Medians of turn 2 (ms):", "",
+           "| prompt tokens | pull | push | push / pull | speed-up (pull / push) | push plans |", "|---|---|---|---|---|---|"]
+    for L in sorted(set(a) & set(b), key=int):
+        plans = ", ".join(f"{k} x{n}" for k, n in (b[L].get("plans") or {}).items()) or "-"
+        out.append(f"| {int(a[L]['prompt_tokens'])} | {_num(a[L]['ttft_ms'], 1)} | {_num(b[L]['ttft_ms'], 1)} | "
+                   f"{_num(b[L]['ttft_ms'] / a[L]['ttft_ms'], 2)} | {_num(a[L]['ttft_ms'] / b[L]['ttft_ms'], 2)}x | "
+                   f"{plans} |")
+    return out + ["", "vLLM's PR reports 1.2-3.0x better TTFT for push over pull when both legs are sent together, "
+                  "most where D's read is slow (fragmented KV, a full prefix hit on D); here D's pull read of the "
+                  "whole prompt took 8-63 ms over CUDA IPC, the most push can hide.", ""]
+
+
 def rates(res: dict) -> dict[str, float]:
     """What a cost model needs, from one run: KV bytes per token, NIXL's rate when P reads D (reuse_coldP) and
     when D reads P (full_coldP), from vLLM's own nixl_bytes_transferred / nixl_xfer_time; the co-located
@@ -321,6 +342,7 @@ def main() -> None:
     ap.add_argument("--correctness", type=Path, help="the folder whose correctness.json to show (default: --results)")
     ap.add_argument("--transport", type=Path, help="the folder whose transport.json to show (default: --results)")
     ap.add_argument("--local", type=Path, help="a run's folder with the local path's ttft.json and itl.json")
+    ap.add_argument("--push", metavar="PULL_DIR,PUSH_DIR", help="two runs' folders (full_coldP) in pull and push mode")
     ap.add_argument("--md", default="bench/GPU-RESULTS.md")
     ap.add_argument("--png", default="bench/gpu-results.png")
     a = ap.parse_args()
@@ -340,6 +362,10 @@ def main() -> None:
         lines += [f"![TTFT by history length and KV correctness]({os.path.basename(a.png)})", ""]
     if a.local and load(a.local, "ttft.json"):
         lines += local_md(load(a.local, "ttft.json"), load(a.local, "itl.json"), load(a.local, "env.json"))
+    if a.push:
+        pull_dir, push_dir = (Path(d) for d in a.push.split(","))
+        if load(pull_dir, "ttft.json") and load(push_dir, "ttft.json"):
+            lines += push_md(load(pull_dir, "ttft.json"), load(push_dir, "ttft.json"), load(push_dir, "env.json"))
     if transport:
         lines += transport_md(transport)
     if corr:

@@ -22,6 +22,7 @@
 #   P_GPU D_GPU C_GPU  CUDA_VISIBLE_DEVICES of each engine (default 0: all on one GPU)
 #   BLOCK_SIZE (vLLM default: 16 on CUDA; larger blocks mean fewer, larger NIXL descriptors)
 #   KV_GIB (20), GPU_UTIL (0.25), MAX_LEN (36864), TTL_S (120: D's decoder_kv_blocks_ttl)
+#   KV_MODE      pull (NixlConnector, bidirectional) or push (NixlPushConnector; the gateways find the mode)
 #   VLLM_PY / GW_PY   the Python of vLLM / of the gateway (python3); VLLM_PATH / GW_PATH: PYTHONPATH for each
 #   RUN (/tmp/pdgw-gpu)   logs and pid files
 set -u
@@ -54,7 +55,12 @@ transport_env() {  # the lines a P or D start script exports for $TRANSPORT
   esac
 }
 
-kv_config() {  # role engine_id
+kv_config() {  # role engine_id; KV_MODE=push: vLLM's NixlPushConnector (P writes into D; no D->P reads)
+  if [ "${KV_MODE:-pull}" = push ]; then
+    printf '{"kv_connector":"NixlPushConnector","kv_role":"%s","engine_id":"%s","kv_buffer_device":"cuda",' "$1" "$2"
+    printf '"kv_load_failure_policy":"fail","kv_connector_extra_config":{"decoder_kv_blocks_ttl":%s}}' "$TTL_S"
+    return
+  fi
   printf '{"kv_connector":"NixlConnector","kv_role":"%s","engine_id":"%s","kv_buffer_device":"cuda",' "$1" "$2"
   printf '"kv_load_failure_policy":"fail","kv_connector_extra_config":{"bidirectional_kv_xfer":true,'
   printf '"decoder_kv_blocks_ttl":%s}}' "$TTL_S"

@@ -130,9 +130,12 @@ class PushTarget:
 
     @classmethod
     def of(cls, handle: Handle | None) -> PushTarget | None:
-        """P's identity from a handle P returned in push mode; None from a pull handle or a malformed one."""
+        """P's identity from a handle P returned in push mode; None from a pull handle or a malformed one. vLLM
+        0.25's push P says no `transfer_mode` (seen on the H200: push_scheduler.py's request_finished returns the
+        ids, side channel and tp_size only): a handle that does not say is taken as push, since push mode is
+        known from the engines' config at start-up and a pool that mixes modes is refused there."""
         wire = handle.wire if handle is not None else {}
-        if wire.get("transfer_mode") != "push":
+        if wire.get("transfer_mode", "push") != "push":
             return None
         engine, host, port = wire.get("remote_engine_id"), wire.get("remote_host"), wire.get("remote_port")
         tp, pp = wire.get("tp_size", 1), wire.get("pp_size", 1)

@@ -69,6 +69,8 @@ def p_handle(**changes) -> kv.Handle:
     (p_handle(), kv.PushTarget("p0", "10.0.0.5", 5600, 2, 1)),
     (p_handle(pp_size=2), kv.PushTarget("p0", "10.0.0.5", 5600, 2, 2)),
     (p_handle(transfer_mode="pull"), None),          # a pull P: no push leg may name it
+    (kv.Handle({k: v for k, v in p_handle().wire.items() if k not in ("transfer_mode", "pp_size", "dcp_size")}),
+     kv.PushTarget("p0", "10.0.0.5", 5600, 2, 1)),   # vLLM 0.25's push P says neither mode nor pp (H200, seen)
     (p_handle(remote_port=None), None),
     (p_handle(tp_size=True), None),
     (None, None),
