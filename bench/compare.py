@@ -193,7 +193,9 @@ def start_all(s: Servers, sizes: Sizes) -> Env:
         ps, ds = engines[8:8 + PLACE_P], engines[8 + PLACE_P:]
         gws += [(ps, ds, store), (ps, ds, [*store, "--no-prefill-affinity"])]
     gws.append(([sp], [sd], [*store, *GATEWAY_TTL]))
-    gateways = s.gateways(gws)
+    names = ["zero timing", "GPU cost", "reasoning", "history (pinned)", "sessionless", "stateless",
+             *(["placement", "placement no affinity"] if sizes.placement else []), "streaming"]
+    gateways = s.gateways(gws, names)
     env = Env(zp, zd, gateways[0], gp, gd, gateways[1], rp, rd, gateways[2], hp, hd, gateways[3],
               sessionless_gw=gateways[4], stateless_gw=gateways[5], stream_p=sp, stream_d=sd, stream_gw=gateways[-1])
     if sizes.placement:

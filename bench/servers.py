@@ -73,17 +73,18 @@ class Servers(contextlib.ExitStack):
     def gateway(self, prefill: list[Server], decode: list[Server], *flags: str) -> Server:
         return self.gateways([(prefill, decode, list(flags))])[0]
 
-    def gateways(self, specs: list[tuple[list[Server], list[Server], list[str]]]) -> list[Server]:
+    def gateways(self, specs: list[tuple[list[Server], list[Server], list[str]]],
+                 names: list[str] | None = None) -> list[Server]:
         """Start several gateways at once: (prefill engines, decode engines, flags) each. They read D's KV whenever
         continuity allows (`--reuse-policy always`, unless the flags say otherwise): the benches measure reuse
         itself, and on the zero-timing sims computing is free, so the cost plan would always recompute. The local
         path is off unless the flags turn it on (bench/local.py does): the other benches compare P-then-D work."""
         procs = []
-        for prefill, decode, flags in specs:
+        for i, (prefill, decode, flags) in enumerate(specs):
             procs.append(_Pending(["serve", "--log-level", "warning", "--reuse-policy", "always",
                                    "--local-prefill-max-tokens", "0", *flags,
                                    *engine_flags(prefill, decode)],
-                                  cpus=self._cpus("gateway")))
+                                  cpus=self._cpus(f"gateway {names[i] if names else i}")))
         return self._wait(procs)
 
     def naive(self, prefill: list[Server], decode: list[Server]) -> Server:

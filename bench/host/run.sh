@@ -49,6 +49,6 @@ say "compare.py ${flags[*]} --pin"
 cd "$ROOT" && "$PY" bench/compare.py "${flags[@]}" --pin --out "$OUT/RESULTS-host.md" > "$OUT/compare.log" 2>&1
 rc=$?
 say "compare.py exited $rc"
-grep -E "^(pinned|not pinned)|could not be run" "$OUT/compare.log" | head -5
+grep -E "^- (pinned|not pinned|proxies' CPUs)|could not be run" "$OUT/compare.log" | head -5
 tail -1 "$OUT/compare.log"
 exit $rc
