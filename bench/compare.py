@@ -1,5 +1,6 @@
 """The side-by-side benchmark, in one run: floor, pd-gateway, a naive proxy and vllm-router on the same simulated
-engines, then the cost of long histories, reuse under a GPU-like cost model (plain and reasoning), placement.
+engines, then CPU per streamed output token, the cost of long histories, reuse under a GPU-like cost model
+(plain and reasoning), placement.
 
     python bench/compare.py            # full sizes (a few minutes), writes bench/RESULTS.md
     python bench/compare.py --quick    # small sizes, under a minute
@@ -7,7 +8,9 @@ engines, then the cost of long histories, reuse under a GPU-like cost model (pla
 
 Every figure is measured in this run; the last line is
     compare: added_p50_ms=X added_p99_ms=Y naive_added_ratio=A naive_throughput_ratio=B cpu_32k_vs_1k=C
-             internal_p50_ms=D
+             internal_p50_ms=D router_cpu_ratio=E stream_cpu_ratio=F lookup_added_ms=G
+(router_cpu_ratio: pd-gateway's CPU per saturated turn over vllm-router's; stream_cpu_ratio: the same per streamed
+output token; lookup_added_ms: added p50 without session ids less added p50 with them.)
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import loadgen  # noqa: E402
 from bench.loadgen import CpuMeter, FloorTarget, OpenAITarget, RunResult, percentile  # noqa: E402
-from bench.servers import Servers, get_json, metrics, post  # noqa: E402
+from bench.servers import ProxyCpus, Servers, get_json, metrics, post  # noqa: E402
+from bench.streaming import STREAM_SIM, stream_cost  # noqa: E402
+from bench.streaming import table as stream_table  # noqa: E402
 from bench.workload import Workload  # noqa: E402
 
 BLOCK = 16
@@ -65,10 +70,11 @@ class Sizes:
     gpu: tuple[int, int]        # GPU-cost scenario: conversations (all at once), turns
     gpu_sim: tuple[str, ...]
     placement: bool
+    stream: tuple[int, int] = (8, 2)    # streaming phase: conversations (all at once), turns; 1,000-token answers
 
 
 FULL = Sizes(conversations=128, concurrency=64, turns=4, new_tokens=48, think_s=4.0, saturation_s=6.0, rounds=2,
-             history=(8, 12), gpu=(12, 10), placement=True,
+             history=(8, 12), gpu=(12, 10), placement=True, stream=(16, 3),
              gpu_sim=("--prefill-ms-per-token", "0.1", "--decode-ms-per-token", "10", "--transfer-ms-per-block",
                       "0.05", "--output-tokens", "100:200"))
 QUICK = Sizes(conversations=64, concurrency=64, turns=2, new_tokens=48, think_s=1.0, saturation_s=1.0, rounds=1,
@@ -76,7 +82,7 @@ QUICK = Sizes(conversations=64, concurrency=64, turns=2, new_tokens=48, think_s=
               gpu_sim=("--prefill-ms-per-token", "0.1", "--decode-ms-per-token", "0.5", "--transfer-ms-per-block",
                        "0.05", "--output-tokens", "100:160"))
 SMOKE = Sizes(conversations=4, concurrency=4, turns=2, new_tokens=16, think_s=0.0, saturation_s=0.5, rounds=1,
-              history=(1, 2), gpu=(2, 3), placement=False,
+              history=(1, 2), gpu=(2, 3), placement=False, stream=(2, 1),
               gpu_sim=("--prefill-ms-per-token", "0.1", "--decode-ms-per-token", "0.2", "--transfer-ms-per-block",
                        "0.05", "--output-tokens", "64:80"))
 
@@ -161,6 +167,9 @@ class Env:
     place_p: list = field(default_factory=list)
     place_d: list = field(default_factory=list)
     place_gws: list = field(default_factory=list)
+    stream_p: object = None          # streaming phase: answers of 1,000 tokens
+    stream_d: object = None
+    stream_gw: object = None
 
 
 def start_all(s: Servers, sizes: Sizes) -> Env:
@@ -172,7 +181,9 @@ def start_all(s: Servers, sizes: Sizes) -> Env:
              ("prefill", "hp0", PINNED_SIM), ("decode", "hd0", PINNED_SIM)]
     if sizes.placement:
         specs += [*[("prefill", f"pp{i}", gpu) for i in range(PLACE_P)], *[("decode", f"pd{i}", gpu) for i in range(PLACE_D)]]
+    specs += [("prefill", "sp0", STREAM_SIM), ("decode", "sd0", STREAM_SIM)]
     engines = s.sims(specs)
+    sp, sd = engines[-2:]
     zp, zd, gp, gd, rp, rd, hp, hd = engines[:8]
     store = ["--redis-url", redis.url]
     gws = [([zp], [zd], [*store, *GATEWAY_TTL]), ([gp], [gd], store),
@@ -181,11 +192,15 @@ def start_all(s: Servers, sizes: Sizes) -> Env:
     if sizes.placement:
         ps, ds = engines[8:8 + PLACE_P], engines[8 + PLACE_P:]
         gws += [(ps, ds, store), (ps, ds, [*store, "--no-prefill-affinity"])]
-    gateways = s.gateways(gws)
+    gws.append(([sp], [sd], [*store, *GATEWAY_TTL]))
+    names = ["zero timing", "GPU cost", "reasoning", "history (pinned)", "sessionless", "stateless",
+             *(["placement", "placement no affinity"] if sizes.placement else []), "streaming"]
+    gateways = s.gateways(gws, names)
     env = Env(zp, zd, gateways[0], gp, gd, gateways[1], rp, rd, gateways[2], hp, hd, gateways[3],
-              sessionless_gw=gateways[4], stateless_gw=gateways[5])
+              sessionless_gw=gateways[4], stateless_gw=gateways[5], stream_p=sp, stream_d=sd, stream_gw=gateways[-1])
     if sizes.placement:
-        env.place_p, env.place_d, env.place_gws = engines[8:8 + PLACE_P], engines[8 + PLACE_P:], gateways[6:8]
+        env.place_p, env.place_d = engines[8:8 + PLACE_P], engines[8 + PLACE_P:8 + PLACE_P + PLACE_D]
+        env.place_gws = gateways[6:8]
     return env
 
 
@@ -444,8 +459,8 @@ def _skewed(gw, w: Workload, hot_history: int) -> RunResult:
 
 
 # -- the table -----------------------------------------------------------------------------------------------
-def report(args, sizes: Sizes, zero: dict, history: dict, gpu: dict, reasoning: dict, place: dict | None,
-           notes: list[str], wall_s: float) -> tuple[str, str]:
+def report(args, sizes: Sizes, zero: dict, stream: dict, history: dict, gpu: dict, reasoning: dict,
+           place: dict | None, notes: list[str], wall_s: float) -> tuple[str, str]:
     rows: list[Row] = zero["rows"]
     by_name = {r.setup: r for r in rows}
 
@@ -512,6 +527,8 @@ def report(args, sizes: Sizes, zero: dict, history: dict, gpu: dict, reasoning: 
               "turns per CPU-second of the proxy process (1000 / CPU ms per turn at saturation). "
               f"`naive_throughput_ratio` = that capacity, pd-gateway over naive proxy ({naive_throughput_ratio:.2f}); "
               f"the measured saturated turns/s ratio is {measured_ratio:.2f}.", ""]
+    stream_lines, stream_ratio = stream_table(stream, *sizes.stream)
+    lines += stream_lines
     ratios = {kind: _ratio(history[kind]) for kind in HISTORY_ENGINES}
     cpu_ratio = ratios["pinned"]
     lines += ["## 2. Gateway CPU per turn vs history length", "",
@@ -544,6 +561,11 @@ def report(args, sizes: Sizes, zero: dict, history: dict, gpu: dict, reasoning: 
     ttft_gain = full["ttft_mean_later_ms"] / reuse["ttft_mean_later_ms"] if reuse["ttft_mean_later_ms"] else 0.0
     r_reuse = reasoning["reuse (sessions)"]
     spans = _gateway_spans(zero["gateway_metrics"], internal=False)      # where the gateway's own time went
+    router_sat = zero["saturation"].get("vllm-router", {})
+    router_cpu_ratio = gw_sat["cpu_ms_per_turn"] / router_sat["cpu_ms_per_turn"] \
+        if gw_sat.get("cpu_ms_per_turn") and router_sat.get("cpu_ms_per_turn") else float("nan")
+    sessionless = by_name.get(SESSIONLESS)
+    extra = added(sessionless, 50) - added50 if sessionless else float("nan")
     lines += ["## Targets", "", "| target | reached | met |", "|---|---|---|",
               f"| added p50 <= 1 ms at {sizes.concurrency} concurrent conversations | {added50:+.2f} ms | "
               f"{_met(added50 <= 1)} |",
@@ -554,17 +576,22 @@ def report(args, sizes: Sizes, zero: dict, history: dict, gpu: dict, reasoning: 
               f"{_met(naive_added_ratio <= 0.5)} |",
               f"| >= 5x the naive proxy's turns/s (capacity per CPU-second) | {naive_throughput_ratio:.2f}x "
               f"(measured saturated turns/s: {measured_ratio:.2f}x) | {_met(naive_throughput_ratio >= 5)} |",
-              f"| CPU per turn, 32k vs 1k history <= 1.2x (engines using pinned ids) | {cpu_ratio:.2f}x | "
-              f"{_met(cpu_ratio <= 1.2)} |",
+              f"| CPU per saturated turn <= 2x vllm-router's | {router_cpu_ratio:.2f}x "
+              f"({_fmt(gw_sat.get('cpu_ms_per_turn'))} vs {_fmt(router_sat.get('cpu_ms_per_turn'))} ms) | "
+              f"{_met(router_cpu_ratio <= 2)} |",
+              f"| CPU per turn, 32k vs 1k history <= 1.3x (engines using pinned ids) | {cpu_ratio:.2f}x | "
+              f"{_met(cpu_ratio <= 1.3)} |",
+              f"| streamed CPU per output token <= 2x vllm-router's | {stream_ratio:.2f}x | "
+              f"{_met(stream_ratio <= 2)} |",
+              f"| the sessionless lookup adds <= 0.3 ms (added p50, sessionless less with session ids) | "
+              f"{extra:+.2f} ms | {_met(extra <= 0.3)} |",
               f"| P computed on continuous turns <= new + one block ({BLOCK}) | {reuse['excess_per_later_turn']:+.1f} "
               f"tokens per turn over new | {_met(reuse['excess_per_later_turn'] <= BLOCK)} |",
               f"| reasoning: >= 90% of ideal reuse | {r_reuse['reuse_of_ideal'] * 100:.1f}% | "
               f"{_met(r_reuse['reuse_of_ideal'] >= 0.9)} |",
               f"| GPU cost: mean TTFT turns >= 2 at least 3x lower with reuse | {ttft_gain:.1f}x | "
               f"{_met(ttft_gain >= 3)} |", ""]
-    sessionless = by_name.get(SESSIONLESS)
     if sessionless:
-        extra = added(sessionless, 50) - added50
         lines += [f"pd-gateway without session ids (conversations found by their tokens, its own gateway process "
                   f"on the same engines): added p50 {added(sessionless, 50):+.2f} ms against {added50:+.2f} ms with "
                   f"session ids: the lookup adds {extra:+.2f} ms (target <= 0.3 ms: {_met(extra <= 0.3)}).", ""]
@@ -580,7 +607,8 @@ def report(args, sizes: Sizes, zero: dict, history: dict, gpu: dict, reasoning: 
     final = (f"compare: added_p50_ms={added50:.3f} added_p99_ms={added99:.3f} "
              f"naive_added_ratio={naive_added_ratio:.3f} naive_throughput_ratio={naive_throughput_ratio:.3f} "
              f"cpu_32k_vs_1k={cpu_ratio:.3f} "
-             f"internal_p50_ms={internal50 if internal50 is not None else float('nan'):.3f}")
+             f"internal_p50_ms={internal50 if internal50 is not None else float('nan'):.3f} "
+             f"router_cpu_ratio={router_cpu_ratio:.3f} stream_cpu_ratio={stream_ratio:.3f} lookup_added_ms={extra:.3f}")
     lines += ["```", final, "```", ""]
     return "\n".join(lines), final
 
@@ -649,19 +677,32 @@ def _other_engines() -> int:
     return count
 
 
-def pin_cpus(notes: list[str]) -> set[int] | None:
-    """The last CPU for the proxy under test; this process (the load generator) and all it starts otherwise
-    (engines, Redis) on the rest. As deployed: the gateway's process does not share its core with the
-    engines. Every set-up, floors included, runs under the same placement."""
+ENGINE_CPUS_MIN = 6     # --pin: CPUs kept for the load generator, the engines and Redis, at the least
+
+
+def proxies(sizes: Sizes) -> int:
+    """How many proxy processes a run starts: start_all's gateways, the naive proxy and vllm-router, the
+    streaming phase's gateway and vllm-router."""
+    return 6 + 2 + 2 + (2 if sizes.placement else 0)
+
+
+def pin_cpus(notes: list[str], sizes: Sizes) -> ProxyCpus | None:
+    """Each proxy under test a CPU of its own, from the last CPU down; this process (the load generator) and all
+    it starts otherwise (engines, Redis) on the rest, at least ENGINE_CPUS_MIN of them (or half, on a small
+    machine). With fewer CPUs than that the proxies share theirs round robin (on 2 CPUs: all on the last one).
+    As deployed: a proxy does not share its core with the engines, nor with another proxy. Every set-up,
+    floors included, runs under the same placement."""
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if len(cpus) < 2:
         notes.append("not pinned: fewer than 2 CPUs")
         return None
-    proxy, rest = {cpus[-1]}, set(cpus[:-1])
-    os.sched_setaffinity(0, rest)
-    notes.append(f"pinned: the proxy under test on CPU {cpus[-1]}; load generator, engines and Redis on "
-                 f"CPU(s) {', '.join(map(str, sorted(rest)))}")
-    return proxy
+    keep = max(min(ENGINE_CPUS_MIN, len(cpus) // 2), len(cpus) - proxies(sizes))
+    rest, mine = cpus[:keep], cpus[keep:]
+    os.sched_setaffinity(0, set(rest))
+    notes.append(f"pinned: proxies under test on CPU(s) {', '.join(map(str, mine))} "
+                 f"({'one each' if len(mine) >= proxies(sizes) else 'shared round robin'}); load generator, "
+                 f"engines and Redis on CPU(s) {', '.join(map(str, rest))}")
+    return ProxyCpus(list(reversed(mine)))
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -672,9 +713,10 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--placement", action=argparse.BooleanOptionalAction, default=None,
                     help="run the placement phase (default: only at full size)")
     ap.add_argument("--pin", action="store_true",
-                    help="give the proxy under test a CPU of its own, the engines, Redis and the load generator "
-                         "the others (needs 2+ CPUs; off by default: on this project's 2-vCPU VMs it raised the "
-                         "proxies' low-load CPU per turn and did not lower their added latency)")
+                    help="give each proxy under test a CPU of its own (as far as there are CPUs: see pin_cpus), the "
+                         "engines, Redis and the load generator the others (needs 2+ CPUs; off by default: on this "
+                         "project's 2-vCPU VMs all proxies share one CPU, which raised their low-load CPU per turn "
+                         "and did not lower their added latency; bench/host/run.sh uses it on the 16-core host)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "RESULTS.md"),
                     help="where to write the table ('-': nowhere)")
     args = ap.parse_args(argv)
@@ -694,15 +736,20 @@ def main(argv: list[str] | None = None) -> str:
             phases[name] = time.perf_counter() - t
 
     with Servers() as servers:
-        servers.proxy_cpus = pin_cpus(notes) if args.pin else None
+        servers.proxy_cpus = pin_cpus(notes, sizes) if args.pin else None
         env = timed("start-up", start_all, servers, sizes)
         zero = timed("zero timing", zero_timing, servers, env, sizes, notes)
+        stream = timed("streaming", stream_cost, servers, env.stream_p, env.stream_d, env.stream_gw,
+                       *sizes.stream, sizes.rounds * 2, notes)
+        if servers.proxy_cpus is not None:
+            notes.append("proxies' CPUs, in start order: " + servers.proxy_cpus.describe())
         history = timed("history", history_cost, env, sizes)
         gpu = timed("GPU cost", gpu_scenario, env, sizes, reasoning=False)
         reasoning = timed("reasoning", gpu_scenario, env, sizes, reasoning=True)
         place = timed("placement", placement, env, sizes) if sizes.placement else None
     notes.append("phase wall times: " + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items()))
-    text, final = report(args, sizes, zero, history, gpu, reasoning, place, notes, time.perf_counter() - began)
+    text, final = report(args, sizes, zero, stream, history, gpu, reasoning, place, notes,
+                         time.perf_counter() - began)
     if args.out != "-":
         Path(args.out).write_text(text)
     print(text)

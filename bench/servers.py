@@ -25,14 +25,36 @@ if str(ROOT) not in sys.path:
 from gateway.processes import Server, answers, free_port, start, stop_process  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
-START_TIMEOUT_S = 60.0
+START_TIMEOUT_S = float(os.environ.get("PDGW_BENCH_START_TIMEOUT_S", "120"))   # many processes import at once
+
+
+class ProxyCpus:
+    """CPU sets for the proxies under test (gateways, the naive proxy, vllm-router), handed out in start order:
+    `per_proxy` CPUs each, every proxy its own while `cpus` last, then round robin (sharing, as few as can be)."""
+
+    def __init__(self, cpus: list[int], per_proxy: int = 1) -> None:
+        self.cpus, self.per_proxy = list(cpus), max(1, per_proxy)
+        self.given: list[tuple[str, set[int]]] = []
+
+    def take(self, name: str) -> set[int]:
+        groups = max(1, len(self.cpus) // self.per_proxy)
+        at = len(self.given) % groups * self.per_proxy
+        cpus = set(self.cpus[at:at + self.per_proxy])
+        self.given.append((name, cpus))
+        return cpus
+
+    def describe(self) -> str:
+        return "; ".join(f"{name} on CPU {','.join(map(str, sorted(cpus)))}" for name, cpus in self.given)
 
 
 class Servers(contextlib.ExitStack):
-    """Starts processes and stops every one of them, by PID, on exit. `proxy_cpus`: the CPUs every proxy under
-    test (gateways, the naive proxy, vllm-router) is confined to; None leaves them where the caller runs."""
+    """Starts processes and stops every one of them, by PID, on exit. `proxy_cpus`: where each proxy under test
+    runs (each its own CPU set, bench/compare.py `--pin`); None leaves them where the caller runs."""
 
-    proxy_cpus: set[int] | None = None
+    proxy_cpus: ProxyCpus | None = None
+
+    def _cpus(self, name: str) -> set[int] | None:
+        return self.proxy_cpus.take(name) if self.proxy_cpus is not None else None
 
     def sim(self, role: str, engine_id: str, *flags: str) -> Server:
         server = start(["sim", "--role", role, "--engine-id", engine_id, *flags])
@@ -51,23 +73,24 @@ class Servers(contextlib.ExitStack):
     def gateway(self, prefill: list[Server], decode: list[Server], *flags: str) -> Server:
         return self.gateways([(prefill, decode, list(flags))])[0]
 
-    def gateways(self, specs: list[tuple[list[Server], list[Server], list[str]]]) -> list[Server]:
+    def gateways(self, specs: list[tuple[list[Server], list[Server], list[str]]],
+                 names: list[str] | None = None) -> list[Server]:
         """Start several gateways at once: (prefill engines, decode engines, flags) each. They read D's KV whenever
         continuity allows (`--reuse-policy always`, unless the flags say otherwise): the benches measure reuse
         itself, and on the zero-timing sims computing is free, so the cost plan would always recompute. The local
         path is off unless the flags turn it on (bench/local.py does): the other benches compare P-then-D work."""
         procs = []
-        for prefill, decode, flags in specs:
+        for i, (prefill, decode, flags) in enumerate(specs):
             procs.append(_Pending(["serve", "--log-level", "warning", "--reuse-policy", "always",
                                    "--local-prefill-max-tokens", "0", *flags,
                                    *engine_flags(prefill, decode)],
-                                  cpus=self.proxy_cpus))
+                                  cpus=self._cpus(f"gateway {names[i] if names else i}")))
         return self._wait(procs)
 
     def naive(self, prefill: list[Server], decode: list[Server]) -> Server:
         args = [sys.executable, str(ROOT / "bench" / "naive_proxy.py")]
         args += engine_flags(prefill, decode)
-        server = _spawn(args, port_flag=True, cpus=self.proxy_cpus)
+        server = _spawn(args, port_flag=True, cpus=self._cpus("naive proxy"))
         self.callback(server.stop)
         return server
 
@@ -80,7 +103,7 @@ class Servers(contextlib.ExitStack):
                 "--port", str(port), "--log-level", "warning", "--max-concurrent-requests", "4096",
                 "--disable-retries", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         args += engine_flags(prefill, decode)
-        server = _spawn(args, port=port, cpus=self.proxy_cpus)
+        server = _spawn(args, port=port, cpus=self._cpus("vllm-router"))
         self.callback(server.stop)
         return server
 

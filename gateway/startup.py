@@ -2,10 +2,12 @@
 template parity, the store, and what all that means for reuse. Logged by the app at start; printed by
 `pd-gateway check`, which exits non-zero when the verdict is `fail`.
 
-Pinned prompt ids: each P is asked for one token with `kv_transfer_params.prompt_token_ids` set to the rendering
-of another conversation than its messages; an engine whose echoed prompt is the pinned one uses the gateway's
-verified ids by construction, so its P legs need not echo their prompt for a parity check (turns/runner.py). The
-proof is dropped when an engine leaves and re-run when it comes back healthy (`PinnedIdsProof.engine_back`).
+Pinned prompt ids: each engine (P and D) is asked for one token with `kv_transfer_params.prompt_token_ids` set to
+the rendering of another conversation than its messages; an engine whose echoed prompt is the pinned one uses the
+gateway's verified ids by construction, so its P legs need not echo their prompt for a parity check
+(turns/prefill_leg.py), and neither leg need carry the history's text: only the last message
+(turns/legs/bodies.py, docs/protocol.md §5.1). The proof is dropped when an engine leaves and re-run when it comes
+back healthy (`PinnedIdsProof.engine_back`).
 
 Template parity: the gateway renders a fixed conversation with its tokenizer and chat template and compares
 the ids with each engine's `POST /tokenize` (messages form). Any difference means the gateway verifies
@@ -71,7 +73,7 @@ class EngineReport:
     kv_transfer: dict[str, Any] | None = None     # from /server_info, when the engine exposes it
     parity: Literal["match", "mismatch", "unknown"] = "unknown"
     parity_detail: str = ""
-    pinned_ids: bool | None = None                # P: uses kv_transfer_params.prompt_token_ids (None: unknown)
+    pinned_ids: bool | None = None                # uses kv_transfer_params.prompt_token_ids (None: unknown)
     push_identity: str | None = None              # push mode, P: the identity D legs name (docs/protocol.md §8.2)
 
     @property
@@ -86,7 +88,7 @@ class EngineReport:
         return (f"{self.role:<8} {self.url}  vLLM {self.version or '?'}  block size {self.block_size or '?'}  "
                 f"bidirectional {bidi}  load-failure policy {policy}  "
                 f"template parity {self.parity}{f' ({self.parity_detail})' if self.parity_detail else ''}"
-                f"{_pinned_words(self.pinned_ids) if self.role == 'prefill' else ''}"
+                f"{_pinned_words(self.pinned_ids, self.role)}"
                 f"{f'  push identity {self.push_identity}' if self.push_identity else ''}")
 
 
@@ -120,8 +122,9 @@ class StartupReport:
 
 # -- gathering ---------------------------------------------------------------------------------------
 class PinnedIdsProof:
-    """Proves, P by P, that an engine uses the prompt ids it is sent (`Engine.info[PINNED_IDS]`); until then, and
-    while a proof runs, the engine is unproven and its P legs keep the echo and the parity check."""
+    """Proves, engine by engine, that it uses the prompt ids it is sent (`Engine.info[PINNED_IDS]`); until then, and
+    while a proof runs, the engine is unproven: its legs carry the whole history, and its P legs keep the echo
+    and the parity check."""
 
     def __init__(self, client: EngineClient, renderer: Renderer | None, model: str | None) -> None:
         self.client, self.model = client, model
@@ -139,17 +142,15 @@ class PinnedIdsProof:
 
     def engine_back(self, engine: Engine) -> None:
         """The health checker's hook: an engine back in rotation may be another vLLM; unproven until shown."""
-        if engine.role != "prefill":
-            return
         engine.info[PINNED_IDS] = False          # at once: a turn picking it now keeps the check
         task = asyncio.create_task(self.prove(engine))
         self._running.add(task)
-        task.add_done_callback(lambda done: self._logged(done, engine.url))
+        task.add_done_callback(lambda done: self._logged(done, engine))
 
-    def _logged(self, task: asyncio.Task, url: str) -> None:
+    def _logged(self, task: asyncio.Task, engine: Engine) -> None:
         self._running.discard(task)
         if not task.cancelled() and task.exception() is None:
-            log.info("prefill %s is back:%s", mask_url(url), _pinned_words(task.result()))
+            log.info("%s %s is back:%s", engine.role, mask_url(engine.url), _pinned_words(task.result(), engine.role))
 
 
 async def gather(client: EngineClient, prefill: EnginePool, decode: EnginePool, renderer: Renderer | None,
@@ -232,14 +233,14 @@ async def _engine_report(client: EngineClient, engine: Engine, expected: list[in
         served = model or next(iter(report.models), None)
         report.parity, report.parity_detail = _compare(expected, await tokenize_chat(client, engine,
                                                                                      PROBE_MESSAGES, served))
-    if engine.role == "prefill":
-        report.pinned_ids = await proof.prove(engine)
+    report.pinned_ids = await proof.prove(engine)     # P and D alike: a proven engine is sent no history text
     return report
 
 
-def _pinned_words(pinned: bool | None) -> str:
-    words = {True: "used (P echoes no prompt)", False: "ignored (P echoes its prompt for a parity check)",
-             None: "unknown (P echoes its prompt for a parity check)"}
+def _pinned_words(pinned: bool | None, role: str = "prefill") -> str:
+    used, not_used = (("P echoes no prompt, is sent no history text", "P echoes its prompt for a parity check")
+                      if role == "prefill" else ("D is sent no history text", "D is sent the whole history"))
+    words = {True: f"used ({used})", False: f"ignored ({not_used})", None: f"unknown ({not_used})"}
     return f"  pinned prompt ids {words[pinned]}"
 
 

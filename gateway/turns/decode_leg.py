@@ -14,10 +14,12 @@ import msgspec
 from gateway.config import Settings
 from gateway.engines import sse
 from gateway.engines.client import EngineClient, EngineStream
+from gateway.engines.probe import pinned_ids_proven
 from gateway.errors import GatewayError
 from gateway.telemetry import Metrics
 from gateway.turns.legs.bodies import decode_body
 from gateway.turns.legs.calls import EngineCalls
+from gateway.turns.legs import chunks
 from gateway.turns.legs.capture import DecodeCapture
 from gateway.turns.legs.restream import restream
 from gateway.turns.outcome import TurnOutcome
@@ -84,14 +86,16 @@ class DecodeLeg:
         return TurnReply(turn.reply_headers(self.settings.pd_headers), stream=self._relay(turn, stream, sent))
 
     def _body(self, turn: Turn) -> dict[str, Any]:
-        return decode_body(turn.req, turn.prefill_handle, local=turn.plan.local, push=turn.plan.push, pair=turn.pair)
+        return decode_body(turn.req, turn.prefill_handle, local=turn.plan.local, push=turn.plan.push, pair=turn.pair,
+                           stub=pinned_ids_proven(turn.decode))      # D uses the ids it is sent: no history text
 
     def _first_byte_s(self, turn: Turn) -> float:
         """A push pair's D first waits for P's prefill and WRITE: the pair's own deadline (push_leg.py)."""
         return turn.pair.decode_wait_s if turn.pair else self.settings.decode_first_byte_timeout_s
 
     async def _relay(self, turn: Turn, stream: EngineStream, sent: float) -> AsyncGenerator[bytes, None]:
-        """Pass D's SSE events through as they come, minus engine internals; record before `[DONE]`."""
+        """Pass D's SSE events through as they come (as D's bytes where nothing needs editing: chunks.py), minus
+        engine internals; record before `[DONE]`."""
         capture, began, first, recorded = DecodeCapture(), time.perf_counter(), True, False
         turn.decode.outstanding_requests += 1
         try:
@@ -108,8 +112,8 @@ class DecodeLeg:
                     if event == sse.DONE:
                         done = True
                         break
-                    frames.append(sse.frame(_encode(capture.take(turn.req.decode_answer(event),
-                                                                 turn.req.want_token_ids))))
+                    frames.append(sse.frame(chunks.relay(capture, event, turn.req.want_token_ids,
+                                                         turn.req.decode_answer)))
                 if frames:
                     yield b"".join(frames)
             if not capture.handle and capture.finished and not turn.plan.push:     # push: D never returns one

@@ -32,8 +32,9 @@ class PrefillLeg:
         turn.prefill = engine
         handle = turn.plan.handle
         # P reading D's KV must prefill the verified ids: shown by P's echo, unless P is proven to use them
-        confirm = handle is not None and not pinned_ids_proven(engine)
-        body = prefill_body(turn.req, handle, confirm_ids=confirm)
+        proven = pinned_ids_proven(engine)
+        confirm = handle is not None and not proven
+        body = prefill_body(turn.req, handle, confirm_ids=confirm, stub=proven)   # proven: the ids carry the history
         # vLLM can park a P request whose read of D's blocks it declined (docs/protocol.md §1): a leg that
         # carries a handle gets a short deadline, then P is redone without it, on any P.
         timeout = self.settings.prefill_handle_timeout_s if handle else self.settings.prefill_timeout_s

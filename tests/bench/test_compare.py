@@ -15,7 +15,8 @@ from bench.loadgen import RunResult, TurnResult, percentile
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 FINAL = re.compile(r"^compare: added_p50_ms=(\S+) added_p99_ms=(\S+) naive_added_ratio=(\S+) "
-                   r"naive_throughput_ratio=(\S+) cpu_32k_vs_1k=(\S+) internal_p50_ms=(\S+)$")
+                   r"naive_throughput_ratio=(\S+) cpu_32k_vs_1k=(\S+) internal_p50_ms=(\S+) "
+                   r"router_cpu_ratio=(\S+) stream_cpu_ratio=(\S+) lookup_added_ms=(\S+)$")
 
 
 @pytest.mark.integration
@@ -30,8 +31,10 @@ def test_compare_smoke_runs_every_setup_and_ends_with_the_summary_line(tmp_path)
     values = [float(v) for v in match.groups()]
     # The naive proxy's added latency over a smoke run's few turns can come out at or below zero on a loaded
     # machine; the ratio is then undefined (nan, as compare.py prints it). Every other figure must be a number.
-    assert all(math.isfinite(v) for i, v in enumerate(values) if i != 2), last
     table = out.read_text()
+    router_ran = "vllm-router could not be run" not in table        # else its ratios are nan
+    assert all(math.isfinite(v) for i, v in enumerate(values) if i != 2 and (router_ran or i not in (6, 7))), last
+    assert "## 1b. Streaming: proxy CPU per output token" in table
     for setup in ("| floor |", "| floor with reuse |", "| pd-gateway |", "| naive proxy |"):
         assert setup in table
     assert "vllm-router" in table              # a row, or a note saying why it could not run
@@ -46,6 +49,25 @@ def test_compare_smoke_runs_every_setup_and_ends_with_the_summary_line(tmp_path)
     column = [c.strip() for c in header.split("|")].index("corrupt KV")
     arms = [line for line in table.splitlines() if line.startswith(("| reuse", "| full prefill", "| stateless"))]
     assert arms and all([c.strip() for c in line.split("|")][column] == "0" for line in arms)   # no wrong KV used
+
+
+def test_each_proxy_gets_its_own_cpu_while_there_are_enough():
+    from bench.servers import ProxyCpus
+
+    cpus = ProxyCpus([15, 14, 13])
+    assert [cpus.take(n) for n in ("a", "b", "c", "d")] == [{15}, {14}, {13}, {15}]    # then round robin
+    assert cpus.describe() == "a on CPU 15; b on CPU 14; c on CPU 13; d on CPU 15"
+    assert ProxyCpus([7, 6, 5, 4], per_proxy=2).take("x") == {7, 6}
+
+
+@pytest.mark.parametrize("ncpu, kept, proxy_cpus", [(16, 6, 10), (32, 22, 10), (8, 4, 4), (2, 1, 1)])
+def test_pin_keeps_cpus_for_the_engines_and_gives_the_rest_to_the_proxies(monkeypatch, ncpu, kept, proxy_cpus):
+    placed = {}
+    monkeypatch.setattr(compare.os, "sched_getaffinity", lambda pid: set(range(ncpu)))
+    monkeypatch.setattr(compare.os, "sched_setaffinity", lambda pid, cpus: placed.setdefault("rest", cpus))
+    plan = compare.pin_cpus([], compare.QUICK)
+    assert placed["rest"] == set(range(kept))
+    assert sorted(plan.cpus) == list(range(kept, ncpu)) and len(plan.cpus) == proxy_cpus
 
 
 def test_ratios_come_from_measured_turns():

@@ -19,7 +19,7 @@ from gateway.store import (
 from gateway.turns.reuse.continuity import Fingerprint, block_hashes
 from gateway.turns.reuse.lookup import How, PromptChains, claimable
 from gateway.turns.intake.pieces import TokenIds
-from gateway.turns.state.sessionless import ConversationFinder, begin_sessionless
+from gateway.turns.state.sessionless import ConversationFinder, RecentHolders, begin_sessionless
 
 BS = 4
 SYS = list(range(1, 11))                    # a system prompt many conversations share
@@ -260,3 +260,66 @@ def test_remembered_chains_are_bounded() -> None:
         chains.hashes([i] * 40 + [1] * 8, BS)     # supersedes the one before: same start, longer
     assert chains._bytes <= 2_000
     assert chains._bytes == sum(len(t) + len(c) for e in chains._by_start.values() for t, c in e)
+
+
+# -- the conversations this process stored lately ------------------------------------------------------------
+
+class Spy(MemoryConversationStore):
+    """The embedded store, counting prefix lookups (the round trip RecentHolders saves)."""
+
+    lookups = 0
+
+    async def find_by_prefix(self, *args, **kwargs):
+        self.lookups += 1
+        return await super().find_by_prefix(*args, **kwargs)
+
+
+async def remembered_first_turn(store: Spy, recent: RecentHolders, prompt: list[int], answer: list[int],
+                                handle: dict) -> ConversationKey:
+    found = await begin_sessionless(store, "t", prompt, "m", BS, 100.0, recent=recent)
+    await finish(store, found.key, found.start.turn, prompt + answer, handle)
+    recent.stored(found.key, found.start.turn, stored(prompt + answer))
+    return found.key
+
+
+async def test_a_remembered_holder_is_claimed_without_the_lookup() -> None:
+    store, recent = Spy(clock=lambda: 100.0), RecentHolders()
+    key = await remembered_first_turn(store, recent, P1, A1, {"h": 1})
+    store.lookups = 0
+    found = await begin_sessionless(store, "t", S1 + U2, "m", BS, 101.0, recent=recent)
+    assert (found.how, found.key, found.start.handle) == (How.PREFIX, key, {"h": 1})
+    assert store.lookups == 0 and len(recent) == 0           # claimed: no longer as remembered
+
+
+async def test_a_remembered_holder_the_prompt_does_not_extend_is_not_claimed() -> None:
+    store, recent = Spy(clock=lambda: 100.0), RecentHolders()
+    await remembered_first_turn(store, recent, P1, A1, {"h": 1})
+    for prompt in (P1 + [30, 31, 32, 99, 98, 97] + U2, S1[:16] + [77] + S1[17:] + U2, P1):
+        found = await begin_sessionless(store, "t", prompt, "m", BS, 101.0, recent=recent)
+        assert found.how == How.NEW, prompt
+    assert len(recent) == 1          # still there for its own next turn
+    other_tenant = await begin_sessionless(store, "u", S1 + U2, "m", BS, 101.0, recent=recent)
+    assert other_tenant.how == How.NEW
+
+
+async def test_a_stale_memory_falls_back_to_the_lookup() -> None:
+    """Another replica's turn moved the conversation on: the remembered claim fails, the store's index decides."""
+    store, recent = Spy(clock=lambda: 100.0), RecentHolders()
+    key = await remembered_first_turn(store, recent, P1, A1, {"h": 1})
+    moved = await store.begin_turn(key, 100.5)                    # elsewhere: claims the handle, stores turn 2
+    await finish(store, key, moved.turn, S1 + U2 + [70, 71, 72, 73, 74], {"h": 2})
+    store.lookups = 0
+    found = await begin_sessionless(store, "t", S1 + U2 + [70, 71, 72, 73, 74] + [80], "m", BS, 101.0,
+                                    recent=recent)
+    assert store.lookups == 1 and (found.how, found.key, found.start.handle) == (How.PREFIX, key, {"h": 2})
+    stale = await begin_sessionless(store, "t", S1 + U2, "m", BS, 101.0, recent=recent)
+    assert stale.how == How.NEW and len(recent) == 0
+
+
+def test_recent_holders_are_bounded() -> None:
+    recent = RecentHolders(max_entries=2)
+    for i in range(3):
+        recent.stored(ConversationKey("t", f"s{i}"), 1, stored([i] * 8 + S1))
+    assert len(recent) == 2
+    assert not recent.holders("t", block_hashes([0] * 8 + S1, BS), 100)
+    assert recent.holders("t", block_hashes([2] * 8 + S1, BS), 100)

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import pytest
 
 from gateway.config import Settings
@@ -66,7 +67,8 @@ def reads_d(body: dict[str, Any]) -> bool:
 
 
 async def built(script: Script, *, retries: int = 2, proven: bool = False, prompt: list[int] = PROMPT,
-                local: int = 0, gap: float = 1.0) -> tuple[ScriptedClient, TurnRunner, TurnRequest]:
+                local: int = 0, gap: float = 1.0,
+                decode_proven: bool = False) -> tuple[ScriptedClient, TurnRunner, TurnRequest]:
     settings = Settings(prefill=["http://p0", "http://p1"], decode=["http://d0", "http://d1"], max_retries=retries,
                         prefill_affinity=False, local_prefill_max_tokens=local)
     store, metrics, client = MemoryConversationStore(), Metrics(), ScriptedClient(script)
@@ -79,6 +81,8 @@ async def built(script: Script, *, retries: int = 2, proven: bool = False, promp
     prefill, decode = EnginePool("prefill", settings.prefill), EnginePool("decode", settings.decode)
     for engine in prefill.engines.values():
         engine.info[PINNED_IDS] = proven        # what the start-up probe found (startup.PinnedIdsProof)
+    for engine in decode.engines.values():
+        engine.info[PINNED_IDS] = decode_proven
     calls = EngineCalls(metrics)
     releaser = HandleReleaser(client, prefill, calls, metrics, "m")
     state = ConversationState(store=store, decode=decode, releaser=releaser, metrics=metrics, settings=settings,
@@ -296,3 +300,22 @@ async def test_a_local_turn_s_handle_is_stored_as_d_s_own_for_d_s_lease():
     entry = store._entries[KEY]
     assert began < entry.handle_expires_at <= time.time() + runner.settings.lease_ttl_s
     assert runner.settings.lease_ttl_s == 30 - 15 - 5
+
+
+HISTORY_MESSAGES = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
+                    {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"}]
+
+
+@pytest.mark.parametrize(("p_proven", "d_proven"), [(False, False), (True, False), (False, True), (True, True)])
+async def test_only_an_engine_proven_to_use_the_pinned_ids_is_sent_no_history_text(p_proven, d_proven):
+    """The ids carry the history to an engine that uses them; one that renders needs every message."""
+    client, runner, req = await built(by_leg(prefill_answer), proven=p_proven, decode_proven=d_proven)
+    req.body["messages"] = list(HISTORY_MESSAGES)
+    await runner.run(req, KEY)
+    await runner.drain()
+    sent = {("p" if "://p" in url else "d"): body for url, body in client.calls if "messages" in body}
+    for leg, proven in (("p", p_proven), ("d", d_proven)):
+        messages = msgspec.json.decode(msgspec.json.encode(sent[leg]["messages"]))
+        assert messages == (HISTORY_MESSAGES[-1:] if proven else HISTORY_MESSAGES), leg
+        pinned = msgspec.json.decode(msgspec.json.encode(sent[leg]["kv_transfer_params"]["prompt_token_ids"]))
+        assert pinned == PROMPT, leg                      # the stub only ever travels with the verified ids

@@ -50,6 +50,16 @@ class TurnRequest:
             body["messages"] = msgspec.Raw(getattr(messages, "json", None) or msgspec.json.encode(messages))
         return body
 
+    @cached_property
+    def stubbed(self) -> dict[str, Any]:
+        """`forwarded` with only the last message, for an engine proven to use the pinned ids (docs/protocol.md
+        §5.1): the ids carry the history, so its text would be bytes the engine never reads."""
+        body = dict(self.forwarded)
+        messages = self.body.get("messages")
+        if isinstance(messages, list) and len(messages) > 1:
+            body["messages"] = msgspec.Raw(msgspec.json.encode(messages[-1:]))
+        return body
+
     def decode_answer(self, raw: bytes) -> dict[str, Any]:
         """An engine's JSON answer (or SSE event) as a dict. A top-level `prompt_token_ids` that is byte for byte
         this request's own encoding becomes `self.prompt_ids` itself: an echo of a 32k-token prompt then costs

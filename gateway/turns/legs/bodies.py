@@ -14,23 +14,26 @@ from gateway.turns.legs.pair import PushPair
 _DECODE_ONLY = ("stream", "stream_options", "min_tokens", "max_completion_tokens", "logprobs", "top_logprobs")
 
 
-def prefill_body(req: TurnRequest, handle: kv.Handle | None, *, confirm_ids: bool = True) -> dict[str, Any]:
+def prefill_body(req: TurnRequest, handle: kv.Handle | None, *, confirm_ids: bool = True,
+                 stub: bool = False) -> dict[str, Any]:
     """P's leg: read D's KV through `handle` (None: a fresh prefill). The history and the ids are msgspec.Raw
     (already-encoded JSON) shared with D's leg. `confirm_ids`: have P echo its prompt ids (checked when P
     reads D's KV; otherwise an echo of the whole prompt, 32k ids for a 32k-token history, would be received
-    for nothing)."""
-    body = {k: v for k, v in req.forwarded.items() if k not in _DECODE_ONLY}
+    for nothing). `stub`: P is proven to use the pinned ids (`probe.pinned_ids_proven`): only the last message
+    is sent (`_forwarded`)."""
+    body = {k: v for k, v in _forwarded(req, stub).items() if k not in _DECODE_ONLY}
     body.update(max_tokens=1, stream=False, return_token_ids=confirm_ids)
     body[kv.WIRE_KEY] = kv.leg_params(handle, _pinned_ids(req))
     return _with_prompt(req, body)
 
 
 def decode_body(req: TurnRequest, prefill_handle: kv.Handle | None, *, local: bool = False,
-                push: bool = False, pair: PushPair | None = None) -> dict[str, Any]:
+                push: bool = False, pair: PushPair | None = None, stub: bool = False) -> dict[str, Any]:
     """D's leg: read P's handle (None: D prefills itself); `local`: D alone computes what its prefix cache lacks
     and holds the result for the next turn's reader. `push` (docs/protocol.md §8.2): D waits for the WRITE of
-    the pair's P (P's handle is not D's business there), or without a pair computes alone and holds nothing."""
-    body = dict(req.forwarded)
+    the pair's P (P's handle is not D's business there), or without a pair computes alone and holds nothing.
+    `stub`: D is proven to use the pinned ids: only the last message is sent."""
+    body = dict(_forwarded(req, stub))
     body["return_token_ids"] = True
     pinned = _pinned_ids(req)
     if push:
@@ -42,6 +45,12 @@ def decode_body(req: TurnRequest, prefill_handle: kv.Handle | None, *, local: bo
     if params or not push:     # push, D alone on completions: no params at all (vLLM reads {} as none)
         body[kv.WIRE_KEY] = params
     return _with_prompt(req, body)
+
+
+def _forwarded(req: TurnRequest, stub: bool) -> dict[str, Any]:
+    """The body a leg starts from: the whole history, or for an engine proven to use the pinned ids (chat: the
+    ids ride in kv_transfer_params) only the last message, the ids carrying the rest (docs/protocol.md §5.1)."""
+    return req.stubbed if stub and _pinned_ids(req) is not None else req.forwarded
 
 
 def _pinned_ids(req: TurnRequest) -> bytes | None:

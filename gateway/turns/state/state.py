@@ -139,6 +139,7 @@ class ConversationState:
             self.releaser.release(handle, "superseded")
         if handle and stored:
             self.pins.stored(served.decode, session, start.turn, handle, now, expires_at)
+            self.finder.recent.stored(session, start.turn, record)     # the next sessionless turn's first try
         await self.pins.evict(victims or [])
         self.pins.report(served.decode)
 
