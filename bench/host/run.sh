@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The reference run of `bench/compare.py` on the project's 16-core GPU host (its CPUs only: no GPU is used), every
-# proxy under test on a core of its own (`--pin`). The host has Python 3.12 (/usr/bin/python3, with transformers,
-# tokenizers, numpy and jinja2) and no package registry, so the other wheels travel with the command:
+# proxy under test on a core of its own (`--pin`). The host has Python 3.12 (`python3` on its PATH is
+# /opt/torch/.venv's, with transformers, tokenizers, numpy and jinja2; /usr/bin/python3 has none of them) and no
+# package registry, so the other wheels travel with the command:
 #   here:      bash bench/host/wheels.sh                    # bench/host/wheels/, ~51 MiB, git-ignored
 #   the host:  bash bench/host/run.sh [compare.py flags]    # with bench/host/wheels carried; default --quick
 # It installs the wheels into $SITE (no index, no dependency resolution: the list is wheels.sh's), unpacks
@@ -13,7 +14,7 @@ set -u
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${OUT:-/tmp/out}
 SITE=${SITE:-/tmp/pdgw-site}
-PY=${PY:-/usr/bin/python3}
+PY=${PY:-$(command -v python3)}
 WHEELS=$ROOT/bench/host/wheels
 mkdir -p "$OUT"
 t0=$(date +%s)
