@@ -40,6 +40,7 @@ from gateway.turns.intake.intake import Intake
 from gateway.turns.legs.release import HandleReleaser
 from gateway.turns.intake.render import Renderer
 from gateway.turns.state.budget import PinBudget
+from gateway.turns.state.earning import PinEarnings
 from gateway.turns.state.pins import PinLedger
 from gateway.turns.state.responses import StoredResponses
 from gateway.turns.state.state import ConversationState
@@ -135,7 +136,8 @@ def _runner(client: EngineClient, prefill: EnginePool, decode: EnginePool, store
     """The turn machinery: engine calls, the handle releaser and the conversation state, shared by every turn."""
     calls = EngineCalls(metrics)
     releaser = HandleReleaser(client, prefill, calls, metrics, model)
-    pins = PinLedger(PinBudget(settings.decode_pin_budget, block_size)) if block_size else None
+    earnings = PinEarnings(settings.decode_pin_budget, settings.handle_ttl_s, settings.decode_pin_policy == "adaptive")
+    pins = PinLedger(PinBudget(settings.decode_pin_budget, block_size), earnings) if block_size else None
     state = ConversationState(store=store, decode=decode, releaser=releaser, metrics=metrics, settings=settings,
                               block_size=block_size, renderer=renderer, pins=pins)
     return TurnRunner(client=client, prefill=prefill, decode=decode, state=state, calls=calls, releaser=releaser,

@@ -31,7 +31,7 @@ class Pin:
 @dataclass(frozen=True)
 class Decision:
     release: tuple[Hashable, ...]   # keys of idle handles to release now, least recently used first
-    keep_new: bool             # False: the new handle alone exceeds the budget; release it rather than store it
+    keep_new: bool             # False: release the new handle rather than store it (alone over the budget, or worth less)
     pinned_blocks: int         # blocks pinned on D once the decision is carried out
     budget_blocks: int | None  # None: no budget (off, or D's capacity unknown)
 

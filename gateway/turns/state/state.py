@@ -81,8 +81,7 @@ class ConversationState:
         if found is None:
             return None, None
         start = found.start
-        if start.handle_state == "claimed":
-            self.pins.claimed(found.key, time.time())
+        self.pins.begun(found.key, start.handle_state == "claimed", time.time())
         if req.rerender is not None and start.record is not None and start.record.answers:
             req.prompt_ids = req.rerender(start.record.answers)      # past answers as D generated them
         return found, self._claim(req, start)
@@ -111,7 +110,7 @@ class ConversationState:
         leased = capture.handle is not None and capture.handle.leased      # before the flags are D's own
         handle = self._verified_handle(capture)
         if session is not None:
-            self.pins.spent(session)                  # the claimed handle, if any, was read or released
+            self.pins.spent(session, plan.reused_tokens)   # the claimed handle, if any, was read or released
         if session is None or start is None or not capture.finished:
             if handle:
                 self.releaser.release(handle, "unused")

@@ -1,0 +1,144 @@
+"""Pins that pay (earning.py), pure: the effective budget follows how often kept handles are used and D's own
+readings; handles are kept by expected saving, so a cyclic pattern does not evict each one before its turn."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.engines.dataplane import DataPlane
+from gateway.store import ConversationKey
+from gateway.turns.state.budget import PinBudget
+from gateway.turns.state.earning import (BACK_OFF, MIN_RETURNS, USED_GOOD, Earnings, PinEarnings, Returns,
+                                         keep_by_worth, short_of_blocks)
+from gateway.turns.state.pins import PinLedger
+
+BS, LIFE, D = 16, 10.0, "d0"
+
+
+@pytest.mark.parametrize(("name", "pinned", "idle", "need", "worth_new", "budget", "release", "keep", "after"), [
+    ("room: nothing released", 10, [("a", 10, 0.1)], 5, 1.0, 20, (), True, 15),
+    ("a handle worth less makes room", 20, [("a", 10, 0.1), ("b", 10, 2.0)], 5, 1.0, 20, ("a",), True, 15),
+    ("least worth first, as many as needed", 30, [("b", 10, 0.5), ("a", 10, 0.2), ("c", 10, 0.3)], 15, 1.0, 30,
+     ("a", "c"), True, 25),
+    ("incumbents worth more: the new one is not kept", 20, [("a", 10, 2.0), ("b", 10, 3.0)], 5, 1.0, 20,
+     (), False, 20),
+    ("too little worth less: none released, not kept", 20, [("a", 2, 0.1), ("b", 18, 3.0)], 5, 1.0, 20,
+     (), False, 20),
+    ("equal worth: the incumbent stays", 20, [("a", 10, 1.0), ("b", 10, 1.0)], 5, 1.0, 20, (), False, 20),
+    ("budget shrank: least worth shed to it, new one not kept", 40, [("a", 10, 0.5), ("b", 10, 0.1),
+                                                                     ("c", 20, 2.0)], 5, 1.0, 20, ("b", "a"),
+     False, 20),
+    ("budget 0: every idle handle goes (stateless PD)", 30, [("a", 10, 5.0), ("b", 20, 5.0)], 1, 9.0, 0,
+     ("a", "b"), False, 0),
+    ("claimed ones (not idle) hold the rest", 30, [("a", 10, 0.1)], 5, 1.0, 10, ("a",), False, 20),
+])
+def test_keep_by_worth(name, pinned, idle, need, worth_new, budget, release, keep, after):
+    decision = keep_by_worth(pinned, idle, need, worth_new, budget)
+    assert (decision.release, decision.keep_new, decision.pinned_blocks) == (release, keep, after), name
+
+
+def reading(t: float, usage: float = 0.3, waiting: float = 0, preemptions: float = 0) -> DataPlane:
+    return DataPlane(kv_cache_usage=usage, requests_waiting=waiting, preemptions=preemptions, scraped_at=t)
+
+
+@pytest.mark.parametrize(("usage", "waiting", "preempted", "short"), [
+    (0.5, 0, False, False), (0.96, 0, False, True), (0.85, 2, False, True), (0.85, 0, False, False),
+    (0.5, 3, False, False), (0.2, 0, True, True), (None, 5, False, False)])
+def test_short_of_blocks(usage, waiting, preempted, short):
+    assert short_of_blocks(DataPlane(kv_cache_usage=usage, requests_waiting=waiting), preempted) is short
+
+
+def test_pressure_halves_while_d_is_short_and_recovers_after():
+    d = Earnings(LIFE)
+    d.observe(reading(1.0, preemptions=5))                 # first reading: the counter's base, not a rise
+    assert d.pressure == 1.0
+    d.observe(reading(2.0, preemptions=6))
+    assert d.pressure == BACK_OFF
+    d.observe(reading(2.0, preemptions=9))                 # the same scrape again: counted once
+    assert d.pressure == BACK_OFF
+    for t in range(3, 9):
+        d.observe(reading(t, usage=0.99, preemptions=9))
+    assert d.pressure == 0.0                               # down to none, not a trickle
+    for t in range(9, 30):
+        d.observe(reading(t, preemptions=9))
+    assert d.pressure == 1.0
+
+
+def test_the_budget_follows_the_used_ratio():
+    e = PinEarnings(0.5, LIFE)
+    assert e.budget_blocks(D, 100) == 100                  # prior: half used, above USED_GOOD
+    for _ in range(200):
+        e.expired(D)
+    assert e.of(D).used_ratio < 0.05 and e.budget_blocks(D, 100) < 10
+    for _ in range(200):
+        e.used(D, 1.0)
+    assert e.of(D).used_ratio > USED_GOOD and e.budget_blocks(D, 100) == 100
+    assert PinEarnings(0.5, LIFE, adaptive=False).budget_blocks(D, 100) == 100
+
+
+def test_ghosts_let_a_d_that_pins_nothing_learn_that_pins_would_be_used():
+    e = PinEarnings(0.5, LIFE)
+    for _ in range(200):
+        e.expired(D)
+    low = e.budget_blocks(D, 100)
+    for i in range(200):
+        key = ConversationKey("t", f"c{i}")
+        e.not_kept(D, key, float(i))
+        e.back(key, i + 1.0)                               # came back within a handle's life
+    assert e.budget_blocks(D, 100) > low and e.of(D).counts["ghost_back"] == 200
+    e.not_kept(D, ConversationKey("t", "late"), 0.0)
+    e.back(ConversationKey("t", "late"), LIFE + 1)         # after the handle's life: no evidence
+    assert e.of(D).counts["ghost_back"] == 200
+
+
+def test_worth_prefers_a_handle_due_soon_and_drops_one_past_every_return():
+    r = Returns(LIFE)
+    assert r.rate(0.0) > r.rate(5.0)                       # too few outcomes: recency
+    for i in range(MIN_RETURNS * 10):
+        r.back(3.0 + (i % 5) * 0.5)                        # conversations come back after 3-5 s
+    assert r.rate(4.0) > r.rate(0.0)                       # idle 4 s: due sooner than a new one
+    assert r.rate(6.0) == 0.0                              # past every return seen: worth nothing
+    assert r.rate(LIFE + 1) == 0.0
+
+
+def cyclic(ledger: PinLedger, conversations: int, rounds: int, capacity: int) -> tuple[int, int]:
+    """Conversations taking turns in a fixed cycle, each handle 4 blocks: how many turns found their handle."""
+    hits = misses = 0
+    now = 0.0
+    for _ in range(rounds):
+        for c in range(conversations):
+            now += 0.1
+            key = ConversationKey("t", f"c{c}")
+            ledger.returned(key, now)
+            if ledger.entry(key) is not None:
+                hits += 1
+                ledger.claim(key, now)
+                ledger.spent(key, 64)
+            else:
+                misses += 1
+            decision, victims = ledger.admit(D, key, 4 * BS, capacity, now)
+            if decision.keep_new:
+                ledger.put(D, key, 1, 4 * BS, now, now + LIFE)
+    return hits, misses
+
+
+def test_a_cyclic_pattern_thrashes_lru_but_not_keeping_by_worth():
+    """20 conversations, room for 10 handles (budget 0.5 of 80 blocks): LRU evicts each handle just before its
+    conversation comes back (no hits at all); by worth about half the turns find theirs."""
+    lru = PinLedger(PinBudget(0.5, BS))
+    assert cyclic(lru, 20, 30, 80)[0] == 0
+    adaptive = PinLedger(PinBudget(0.5, BS), PinEarnings(0.5, LIFE))
+    hits, misses = cyclic(adaptive, 20, 30, 80)
+    assert hits > 0.4 * (hits + misses)
+    d = adaptive.earnings.of(D)
+    assert d.saved_tokens == 64 * hits and d.counts["used"] == hits and d.used_ratio > USED_GOOD
+
+
+def test_expired_handles_are_counted_and_lower_the_budget():
+    ledger = PinLedger(PinBudget(0.5, BS), PinEarnings(0.5, LIFE))
+    for i in range(100):
+        ledger.put(D, ConversationKey("t", f"c{i}"), 1, BS, float(i), i + LIFE)
+    ledger.admit(D, ConversationKey("t", "new"), BS, 1000, 200.0)
+    d = ledger.earnings.of(D)
+    assert d.counts["expired"] == 100 and ledger.pinned_blocks(D) == 0
+    assert ledger.earnings.budget_blocks(D, 500) < 100
