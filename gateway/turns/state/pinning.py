@@ -42,11 +42,13 @@ class Pinning:
             self.metrics.pin_saved_tokens.labels(entry.engine).inc(reused_tokens)
 
     def admit(self, session: ConversationKey, engine: str, handle: kv.Handle | None,
-              now: float) -> tuple[kv.Handle | None, list[Victim] | None]:
-        """Make room on D for the new handle: the idle handles to evict; (None, None) when the new handle
-        alone exceeds the budget (released at once, its conversation's next turn says `evicted`)."""
+              now: float) -> tuple[kv.Handle | None, list[Victim], bool]:
+        """Make room on D for the new handle: (the handle to store, the idle handles to evict, whether the new one
+        was turned away: released at once, its conversation's next turn says `evicted`). It is turned away when it
+        alone exceeds the budget or, adaptive, is worth less than what it would push out; victims may come with it
+        (a budget that shrank sheds idle handles)."""
         if handle is None or self.pins is None:
-            return handle, []
+            return handle, [], False
         holder = self.decode_pool.get(engine)
         capacity = holder.info.get("num_gpu_blocks") if holder is not None else None
         if self.pins.earnings is not None and holder is not None:
@@ -54,8 +56,8 @@ class Pinning:
         decision, victims = self.pins.admit(engine, session, handle.num_tokens or 0, capacity, now)
         if not decision.keep_new:
             self._release_evicted(handle, engine)
-            return None, None
-        return handle, victims
+            return None, victims, True
+        return handle, victims, False
 
     def deleted(self, key: ConversationKey, engine: str) -> None:
         """The conversation was deleted (its handle released): its blocks no longer count against D's budget."""

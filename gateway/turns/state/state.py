@@ -117,7 +117,7 @@ class ConversationState:
             return
         now = time.time()
         expires_at = now + (self.settings.lease_ttl_s if leased else self.settings.handle_ttl_s)
-        handle, victims = self.pins.admit(session, served.decode, handle, now)
+        handle, victims, turned_away = self.pins.admit(session, served.decode, handle, now)
         previous = start.record
         num_tokens, held = held_fingerprint(      # hashes only the blocks the plan did not verify
             req.prompt_ids, capture.prompt_ids, capture.output_ids, _held_tokens(handle, plan, capture),
@@ -126,7 +126,7 @@ class ConversationState:
             decode_engine=served.decode, prefill_engine=served.prefill, model=req.model,
             block_size=self.block_size, num_tokens=num_tokens, held_tokens=held.held_tokens,
             block_hashes=held.block_hashes, prefix_hash=held.prefix_hash,
-            handle_note="" if handle else (EVICTED if victims is None else _missing_note(req, capture, plan)),
+            handle_note="" if handle else (EVICTED if turned_away else _missing_note(req, capture, plan)),
             answers=self._answers(req, start, capture), created_at=previous.created_at if previous else now,
             updated_at=now)
         try:
@@ -138,7 +138,7 @@ class ConversationState:
             self.releaser.release(handle, "superseded")
         if handle and stored:
             self.pins.stored(served.decode, session, start.turn, handle, now, expires_at)
-        await self.pins.evict(victims or [])
+        await self.pins.evict(victims)
         self.pins.report(served.decode)
 
     async def abandon(self, req: TurnRequest, session: ConversationKey | None, start: TurnStart | None,
