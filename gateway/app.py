@@ -42,6 +42,7 @@ from gateway.turns.intake.render import Renderer
 from gateway.turns.state.budget import PinBudget
 from gateway.turns.state.earning import PinEarnings
 from gateway.turns.state.pins import PinLedger
+from gateway.turns.state.replicas import ReplicaShare
 from gateway.turns.state.responses import StoredResponses
 from gateway.turns.state.state import ConversationState
 from gateway.turns.runner import TurnRunner
@@ -108,6 +109,8 @@ async def _lifespan(app: Litestar, settings: Settings, tracing: Tracing,
         registry = EngineRegistry(prefill, decode, health, state.metrics)
         state.fleet = EngineAdmin(prefill, decode, registry)
         checker = asyncio.create_task(health.run())
+        ledger = runner.state.pins.pins
+        sharing = asyncio.create_task(ReplicaShare(store, ledger.budget).run()) if ledger is not None else None
         probing = await _calibrated(runner, prefill, decode, renderer, health, state.metrics, settings,
                                     models[0] if models else "")
         gc.freeze()      # start-up's objects (transformers, jinja, ...) leave the collector's scans for good
@@ -117,6 +120,8 @@ async def _lifespan(app: Litestar, settings: Settings, tracing: Tracing,
                 yield
         finally:
             checker.cancel()
+            if sharing is not None:
+                sharing.cancel()
             if probing is not None:
                 probing.cancel()
             await runner.drain()

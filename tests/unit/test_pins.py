@@ -177,3 +177,15 @@ async def test_a_used_handle_counts_its_saved_tokens():
     assert value(metrics, "pdgw_pin_saved_tokens_total", engine=D) == 16
     info = state.decode_pool.get(D).info["pins"]
     assert info["used"] == 1 and info["saved_tokens"] == 16 and info["policy"] == "adaptive"
+
+
+async def test_replicas_on_one_store_share_d_s_budget():
+    """Two replicas beating on one store each pin half of D's budget; alone again, the whole of it."""
+    from gateway.turns.state.replicas import ALIVE_BEATS, ReplicaShare
+    store = MemoryConversationStore()
+    one, two = PinBudget(0.5, BS), PinBudget(0.5, BS)
+    a, b = ReplicaShare(store, one, 1.0, "a"), ReplicaShare(store, two, 1.0, "b")
+    assert await a.beat(10.0) == 1 and one.budget_blocks(100) == 50
+    assert await b.beat(10.5) == 2 and two.budget_blocks(100) == 25
+    assert await a.beat(11.0) == 2 and one.budget_blocks(100) == 25
+    assert await a.beat(11.0 + ALIVE_BEATS + 0.1) == 1 and one.budget_blocks(100) == 50   # b stopped beating

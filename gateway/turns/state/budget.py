@@ -52,11 +52,12 @@ class PinBudget:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, not {block_size}")
         self.fraction, self.block_size = fraction, block_size
+        self.replicas = 1          # gateway replicas sharing each D's budget (replicas.py): this one pins its share
 
     def budget_blocks(self, num_gpu_blocks: int | None) -> int | None:
         if self.fraction == OFF or not num_gpu_blocks:
             return None
-        return int(num_gpu_blocks * self.fraction)
+        return int(num_gpu_blocks * self.fraction / max(1, self.replicas))
 
     def pinned_blocks(self, pins: Iterable[Pin]) -> int:
         return sum(blocks(p.tokens, self.block_size) for p in pins)

@@ -4,8 +4,8 @@ release; ConversationState keeps it current and does the releasing.
 
 Why per process and not in the store: one tenant's keys share a Redis Cluster hash slot, while a per-D set
 spans tenants, so it could not be updated inside the per-tenant Lua round trips of begin/finish. With several
-replicas each keeps the handles it stored within the budget (so together they stay within budget x replicas
-unless the setting is divided among them; docs/operations.md).
+replicas each keeps the handles it stored within its share of the budget: D's budget divided by the replicas
+alive (replicas.py), so together they stay within it (docs/operations.md).
 
 With `earnings` (earning.py) the ledger reports what becomes of each handle, and decides by it: the budget is
 the effective one (how well pins pay, D's pressure) and handles are kept by expected saving, not recency.
