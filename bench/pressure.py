@@ -144,7 +144,7 @@ def idle_specs(sizes: Sizes) -> list:
 def gateway_flags(sizes: Sizes, budget: float, policy: str = "adaptive") -> list[str]:
     return ["--decoder-kv-blocks-ttl-s", f"{REAL_TTL_S / sizes.factor:g}",
             "--handle-ttl-margin-s", f"{REAL_GATEWAY_MARGIN_S / sizes.factor:g}", "--decode-pin-budget", f"{budget:g}",
-            "--decode-pin-policy", policy, "--health-interval-s", f"{max(0.1, 20.0 / sizes.factor):g}"]
+            "--decode-pin-policy", policy, "--health-interval-s", f"{min(2.0, max(0.5, 100.0 / sizes.factor)):g}"]
 
 
 def idle_workload(sizes: Sizes) -> Workload:

@@ -8,7 +8,8 @@ import pytest
 from gateway.engines.dataplane import DataPlane
 from gateway.store import ConversationKey
 from gateway.turns.state.budget import PinBudget
-from gateway.turns.state.earning import (BACK_OFF, MIN_RETURNS, USED_GOOD, Earnings, PinEarnings, Returns,
+from gateway.turns.state.earning import (BACK_OFF, CALM_READINGS, MIN_RETURNS, PAY_FLOOR, USED_GOOD, Earnings,
+                                         PinEarnings, Returns,
                                          keep_by_worth, short_of_blocks)
 from gateway.turns.state.pins import PinLedger
 
@@ -48,7 +49,7 @@ def test_short_of_blocks(usage, waiting, preempted, short):
     assert short_of_blocks(DataPlane(kv_cache_usage=usage, requests_waiting=waiting), preempted) is short
 
 
-def test_pressure_halves_while_d_is_short_and_recovers_after():
+def test_pressure_halves_while_d_is_short_and_recovers_only_after_calm_readings():
     d = Earnings(LIFE)
     d.observe(reading(1.0, preemptions=5))                 # first reading: the counter's base, not a rise
     assert d.pressure == 1.0
@@ -59,36 +60,44 @@ def test_pressure_halves_while_d_is_short_and_recovers_after():
     for t in range(3, 9):
         d.observe(reading(t, usage=0.99, preemptions=9))
     assert d.pressure == 0.0                               # down to none, not a trickle
-    for t in range(9, 30):
+    for t in range(9, 9 + CALM_READINGS - 1):
+        d.observe(reading(t, preemptions=9))
+    assert d.pressure == 0.0                               # a few calm readings between bursts: still none
+    d.observe(reading(20, usage=0.85, waiting=1, preemptions=9))
+    for t in range(21, 21 + CALM_READINGS + 10):
         d.observe(reading(t, preemptions=9))
     assert d.pressure == 1.0
 
 
-def test_the_budget_follows_the_used_ratio():
+def test_the_budget_follows_the_used_ratio_of_kept_handles():
     e = PinEarnings(0.5, LIFE)
     assert e.budget_blocks(D, 100) == 100                  # prior: half used, above USED_GOOD
     for _ in range(200):
         e.expired(D)
-    assert e.of(D).used_ratio < 0.05 and e.budget_blocks(D, 100) < 10
+    assert e.of(D).used_ratio < 0.05 and e.budget_blocks(D, 100) == int(100 * PAY_FLOOR)   # a few keep measuring
     for _ in range(200):
         e.used(D, 1.0)
     assert e.of(D).used_ratio > USED_GOOD and e.budget_blocks(D, 100) == 100
     assert PinEarnings(0.5, LIFE, adaptive=False).budget_blocks(D, 100) == 100
 
 
-def test_ghosts_let_a_d_that_pins_nothing_learn_that_pins_would_be_used():
+def test_handles_not_kept_whose_conversation_came_back_say_pins_would_pay():
     e = PinEarnings(0.5, LIFE)
     for _ in range(200):
         e.expired(D)
     low = e.budget_blocks(D, 100)
+    ratio = e.of(D).used_ratio
     for i in range(200):
         key = ConversationKey("t", f"c{i}")
         e.not_kept(D, key, float(i))
-        e.back(key, i + 1.0)                               # came back within a handle's life
-    assert e.budget_blocks(D, 100) > low and e.of(D).counts["ghost_back"] == 200
+        e.back(key, i + 2.0)                               # came back within a handle's life
+    d = e.of(D)
+    assert d.counts["ghost_back"] == 200 and d.used_ratio == ratio      # the metric: kept handles only
+    assert d.would_use_ratio > USED_GOOD and e.budget_blocks(D, 100) == 100 > low
+    assert d.returns.rate(1.0) > d.returns.rate(0.0) > 0   # due in 2 s: at 1 s idle, sooner
     e.not_kept(D, ConversationKey("t", "late"), 0.0)
-    e.back(ConversationKey("t", "late"), LIFE + 1)         # after the handle's life: no evidence
-    assert e.of(D).counts["ghost_back"] == 200
+    e.back(ConversationKey("t", "late"), LIFE + 1)         # after the handle's life: not a return
+    assert d.counts["ghost_back"] == 200
 
 
 def test_worth_prefers_a_handle_due_soon_and_drops_one_past_every_return():

@@ -5,8 +5,9 @@ readings (dataplane.py: KV usage, requests waiting, preemptions). From them, per
 
 - how often a kept handle is used before it is evicted or expires (`used_ratio`), and the prompt tokens the
   used ones saved P from recomputing, per block kept;
-- an effective budget in [0, decode_pin_budget]: lower when few kept handles are used (they hold blocks for
-  nothing), and while D is short of blocks (preempting, queueing with its KV nearly full, or full): at 0 the
+- an effective budget in [0, decode_pin_budget]: lower when few handles would be used if kept (kept ones used,
+  and those not kept whose conversation came back in time: the budget lost those, not the conversation; never
+  below PAY_FLOOR of it, so that some pins keep measuring), and while D is short of blocks (preempting, queueing with its KV nearly full, or full): at 0 the
   gateway pins nothing, stateless PD's behaviour, and D's blocks go to running requests;
 - which handles to keep: by expected saving per block and second held, from how long this D's conversations
   take to come back and how long each handle has been idle. Recency alone (LRU) under a cyclic pattern evicts
@@ -26,13 +27,14 @@ from gateway.engines.dataplane import DataPlane
 from gateway.turns.state.budget import Decision
 
 USED_GOOD = 0.3       # kept handles used at least this often: the whole budget; below, proportionally less
+PAY_FLOOR = 0.05      # ...but not below this: a few pins keep measuring (D's pressure alone takes it to none)
 PRIOR_USED, PRIOR_OUTCOMES = 1.0, 2.0   # a D not seen yet: half its pins believed to pay
 DECAY = 0.98          # per outcome: the ratio follows about the last 50 handles
-GHOST_WEIGHT = 0.5    # a conversation back for a handle not kept: evidence that pins would be used, half weight
 FULL_USAGE = 0.95     # D's KV this full is short of blocks by itself...
 BUSY_USAGE = 0.80     # ...or this full with requests waiting
 BACK_OFF = 0.5        # per reading that shows D short: the pressure factor halves (to 0 below MIN_FACTOR)
-RECOVER = 0.1         # per reading that does not: it grows back by this much
+CALM_READINGS = 5     # readings in a row with room before it grows back...
+RECOVER = 0.1         # ...by this much per reading
 MIN_FACTOR = 0.05
 RETURNS = 256         # outcomes kept per D for the return-time distribution
 MIN_RETURNS = 8       # fewer: worth falls back to recency
@@ -90,13 +92,16 @@ class Returns:
 class Earnings:
     """One D: what its kept handles earned, and D's own pressure."""
     life_s: float
-    used: float = PRIOR_USED             # decayed outcomes: used / (used + lost)
+    used: float = PRIOR_USED             # decayed outcomes of kept handles: used / (used + evicted + expired)
     outcomes: float = PRIOR_OUTCOMES
+    would: float = PRIOR_USED            # decayed: handles used, or not kept (evicted, turned away) and their
+    chances: float = PRIOR_OUTCOMES      # conversation came back in time / every handle whose fate is known
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("kept", "used", "evicted", "expired", "not_kept", "ghost_back"), 0))
     saved_tokens: int = 0
     kept_blocks: int = 0
     pressure: float = 1.0
+    calm: int = 0                        # readings in a row that showed room
     last_scrape: float = 0.0
     last_preemptions: float | None = None
     returns: Returns = field(init=False)
@@ -109,16 +114,30 @@ class Earnings:
         return self.used / self.outcomes if self.outcomes else 0.0
 
     @property
-    def pay(self) -> float:
-        return min(1.0, self.used_ratio / USED_GOOD)
+    def would_use_ratio(self) -> float:
+        """Pins would be used if kept: an evicted or turned-away handle whose conversation came back within the
+        handle's life counts as used (the budget, not the conversation, lost it)."""
+        return self.would / self.chances if self.chances else 0.0
 
-    def outcome(self, used: bool, weight: float = 1.0) -> None:
-        self.used = self.used * DECAY + (weight if used else 0.0)
-        self.outcomes = self.outcomes * DECAY + weight
+    @property
+    def pay(self) -> float:
+        return max(PAY_FLOOR, min(1.0, self.would_use_ratio / USED_GOOD))
+
+    def outcome(self, used: bool) -> None:
+        """A kept handle's fate: used by its conversation's next turn, or not (evicted, expired)."""
+        self.used = self.used * DECAY + (1.0 if used else 0.0)
+        self.outcomes = self.outcomes * DECAY + 1.0
+
+    def chance(self, used: bool) -> None:
+        """Whether a handle, kept or not, would have been used: known when its conversation is back or the
+        handle's life is over."""
+        self.would = self.would * DECAY + (1.0 if used else 0.0)
+        self.chances = self.chances * DECAY + 1.0
 
     def observe(self, reading: DataPlane | None) -> None:
-        """One reading of D's /metrics (each counted once): short of blocks halves the pressure factor, a
-        reading with room lets it grow back."""
+        """One reading of D's /metrics (each counted once): short of blocks halves the pressure factor; after
+        CALM_READINGS readings in a row with room it grows back (D's shortage comes in bursts between readings:
+        one calm reading says little)."""
         if reading is None or reading.scraped_at <= self.last_scrape:
             return
         self.last_scrape = reading.scraped_at
@@ -128,11 +147,15 @@ class Earnings:
             self.last_preemptions = reading.preemptions
         if short_of_blocks(reading, preempted):
             self.pressure = 0.0 if self.pressure * BACK_OFF < MIN_FACTOR else self.pressure * BACK_OFF
+            self.calm = 0
         else:
-            self.pressure = min(1.0, self.pressure + RECOVER)
+            self.calm += 1
+            if self.calm >= CALM_READINGS:
+                self.pressure = min(1.0, self.pressure + RECOVER)
 
     def summary(self) -> dict[str, Any]:
-        return {"used_ratio": round(self.used_ratio, 3), "pay_factor": round(self.pay, 3),
+        return {"used_ratio": round(self.used_ratio, 3), "would_use_ratio": round(self.would_use_ratio, 3),
+                "pay_factor": round(self.pay, 3),
                 "pressure_factor": round(self.pressure, 3), "saved_tokens": self.saved_tokens,
                 "saved_tokens_per_kept_block": round(self.saved_tokens / self.kept_blocks, 2) if self.kept_blocks
                 else None, **self.counts}
@@ -216,6 +239,7 @@ class PinEarnings:
         d = self.of(engine)
         d.counts["used"] += 1
         d.outcome(True)
+        d.chance(True)
         d.returns.back(gap)
 
     def saved(self, engine: str, tokens: int) -> None:
@@ -231,6 +255,7 @@ class PinEarnings:
         d = self.of(engine)
         d.counts["expired"] += 1
         d.outcome(False)
+        d.chance(False)
         d.returns.gone()
 
     def not_kept(self, engine: str, key: Hashable, now: float) -> None:
@@ -238,13 +263,14 @@ class PinEarnings:
         self._ghost(engine, key, now, now + self.life_s, now)
 
     def back(self, key: Hashable, now: float) -> None:
-        """A conversation's turn began: if its handle was not kept, say what keeping it would have earned."""
+        """A conversation's turn began: if its handle was not kept, when it came back (the return times that
+        rank handles; the used ratio counts kept handles only)."""
         ghost = self._ghosts.pop(key, None)
         if ghost is None or ghost.expires_at <= now:
             return
         d = self.of(ghost.engine)
         d.counts["ghost_back"] += 1
-        d.outcome(True, GHOST_WEIGHT)
+        d.chance(True)
         d.returns.back(now - ghost.since)
 
     def forget(self, key: Hashable) -> None:
@@ -257,7 +283,7 @@ class PinEarnings:
             if ghost is not None and ghost.expires_at <= now:
                 del self._ghosts[key]
                 d = self.of(ghost.engine)
-                d.outcome(False, GHOST_WEIGHT)
+                d.chance(False)
                 d.returns.gone()
 
     def _ghost(self, engine: str, key: Hashable, since: float, expires_at: float, now: float) -> None:
