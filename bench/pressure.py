@@ -1,7 +1,7 @@
 """Under pressure (issues 15, 25): D's KV pinned by idle conversations, and P's cache against the working set.
 
     python bench/pressure.py            # full sizes; writes bench/PRESSURE.md and bench/pressure.png
-    python bench/pressure.py --quick    # small sizes, about 6 minutes (same files; --out - writes none)
+    python bench/pressure.py --quick    # small sizes, about 10 minutes on 2 cores (same files; --out - writes none)
     python bench/pressure.py --quick --out /tmp/p.md   # tables in /tmp/p.md, the curves in /tmp/pressure.png
 
 1. Many idle conversations over 1 P + 1 D, D's KV swept from 5 % to 200 % of their history. Time is compressed by
@@ -144,7 +144,7 @@ def idle_specs(sizes: Sizes) -> list:
 def gateway_flags(sizes: Sizes, budget: float, policy: str = "adaptive") -> list[str]:
     return ["--decoder-kv-blocks-ttl-s", f"{REAL_TTL_S / sizes.factor:g}",
             "--handle-ttl-margin-s", f"{REAL_GATEWAY_MARGIN_S / sizes.factor:g}", "--decode-pin-budget", f"{budget:g}",
-            "--decode-pin-policy", policy, "--health-interval-s", f"{min(2.0, max(0.5, 100.0 / sizes.factor)):g}"]
+            "--decode-pin-policy", policy, "--health-interval-s", f"{min(2.0, max(0.5, 50.0 / sizes.factor)):g}"]
 
 
 def idle_workload(sizes: Sizes) -> Workload:
@@ -492,7 +492,7 @@ def plot(sweep: dict, path: Path, idle_out: dict | None = None) -> bool:
 
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="small sizes: about 6 minutes")
+    ap.add_argument("--quick", action="store_true", help="small sizes: about 10 minutes on 2 shared cores")
     ap.add_argument("--out", default=str(HERE / "PRESSURE.md"), help="where to write the tables ('-': nowhere)")
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)

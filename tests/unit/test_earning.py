@@ -151,3 +151,14 @@ def test_expired_handles_are_counted_and_lower_the_budget():
     d = ledger.earnings.of(D)
     assert d.counts["expired"] == 100 and ledger.pinned_blocks(D) == 0
     assert ledger.earnings.budget_blocks(D, 500) < 100
+
+
+def test_pins_never_take_the_reserve_d_s_running_requests_need():
+    e = PinEarnings(0.5, LIFE)
+    d = e.of(D)
+    d.observe(reading(1.0, usage=0.7), capacity=1000, pinned=100)     # running requests hold 600 blocks
+    assert e.budget_blocks(D, 500, 1000) == 1000 - 200 - 600
+    d.observe(reading(2.0, usage=0.1), capacity=1000, pinned=50)
+    assert e.budget_blocks(D, 500, 1000) == 500                        # room: the configured budget
+    d.observe(reading(3.0, usage=0.9), capacity=1000, pinned=0)
+    assert e.budget_blocks(D, 500, 1000) == 0

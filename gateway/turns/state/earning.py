@@ -36,6 +36,7 @@ BACK_OFF = 0.5        # per reading that shows D short: the pressure factor halv
 CALM_READINGS = 5     # readings in a row with room before it grows back...
 RECOVER = 0.1         # ...by this much per reading
 MIN_FACTOR = 0.05
+RESERVE = 0.2         # of D's blocks kept free for running requests beyond what D's last reading shows them use
 RETURNS = 256         # outcomes kept per D for the return-time distribution
 MIN_RETURNS = 8       # fewer: worth falls back to recency
 AGE_STEPS = 32        # the worth table's resolution over a handle's life
@@ -102,6 +103,7 @@ class Earnings:
     kept_blocks: int = 0
     pressure: float = 1.0
     calm: int = 0                        # readings in a row that showed room
+    running_blocks: float = 0.0          # D's blocks in use, less the gateway's pins, at the last reading
     last_scrape: float = 0.0
     last_preemptions: float | None = None
     returns: Returns = field(init=False)
@@ -134,13 +136,15 @@ class Earnings:
         self.would = self.would * DECAY + (1.0 if used else 0.0)
         self.chances = self.chances * DECAY + 1.0
 
-    def observe(self, reading: DataPlane | None) -> None:
+    def observe(self, reading: DataPlane | None, capacity: int | None = None, pinned: int = 0) -> None:
         """One reading of D's /metrics (each counted once): short of blocks halves the pressure factor; after
         CALM_READINGS readings in a row with room it grows back (D's shortage comes in bursts between readings:
         one calm reading says little)."""
         if reading is None or reading.scraped_at <= self.last_scrape:
             return
         self.last_scrape = reading.scraped_at
+        if capacity and reading.kv_cache_usage is not None:      # what running requests hold: not ours to pin
+            self.running_blocks = max(0.0, reading.kv_cache_usage * capacity - pinned)
         preempted = (reading.preemptions is not None and self.last_preemptions is not None
                      and reading.preemptions > self.last_preemptions)
         if reading.preemptions is not None:
@@ -218,12 +222,16 @@ class PinEarnings:
             found = self.engines[engine] = Earnings(self.life_s)
         return found
 
-    def budget_blocks(self, engine: str, configured: int) -> int:
-        """The effective budget: the configured one scaled by how well pins pay and by D's pressure."""
+    def budget_blocks(self, engine: str, configured: int, capacity: int | None = None) -> int:
+        """The effective budget: the configured one scaled by how well pins pay and by D's pressure, and never
+        more than leaves RESERVE of D free beside what its running requests held at its last reading."""
         if not self.adaptive:
             return configured
         d = self.of(engine)
-        return int(configured * d.pay * d.pressure)
+        budget = int(configured * d.pay * d.pressure)
+        if capacity:
+            budget = min(budget, max(0, int(capacity * (1.0 - RESERVE) - d.running_blocks)))
+        return budget
 
     def worth(self, engine: str, age: float, tokens: int, blocks: int) -> float:
         """Expected tokens saved per block and second of holding a handle idle for `age`."""
