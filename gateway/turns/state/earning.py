@@ -17,6 +17,7 @@ readings (dataplane.py: KV usage, requests waiting, preemptions). From them, per
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import deque
 from collections.abc import Hashable, Iterable
@@ -36,11 +37,10 @@ BACK_OFF = 0.5        # per reading that shows D short: the pressure factor halv
 CALM_READINGS = 5     # readings in a row with room before it grows back...
 RECOVER = 0.1         # ...by this much per reading
 MIN_FACTOR = 0.05
-RESERVE = 0.2         # of D's blocks kept free for running requests beyond what D's last reading shows them use
 RETURNS = 256         # outcomes kept per D for the return-time distribution
 MIN_RETURNS = 8       # fewer: worth falls back to recency
-AGE_STEPS = 32        # the worth table's resolution over a handle's life
-REFRESH = 16          # new outcomes before the worth table is recomputed
+REFRESH = 16          # new outcomes before the sorted gaps are recomputed
+MIN_WAIT_S = 0.001    # a handle due "now" is not worth infinitely much
 GHOSTS = 100_000      # conversations remembered without a kept handle, per process
 
 
@@ -51,7 +51,7 @@ class Returns:
     def __init__(self, life_s: float) -> None:
         self.life_s = max(life_s, 1e-6)
         self.outcomes: deque[float | None] = deque(maxlen=RETURNS)
-        self._table: list[float] | None = None
+        self._table: tuple[list[float], list[float], int] | None = None
         self._fresh = 0
 
     def back(self, gap: float) -> None:
@@ -61,32 +61,31 @@ class Returns:
         self._add(None)
 
     def rate(self, age: float) -> float:
-        """Expected returns per second of a handle idle for `age`: P(back | idle so far) / E[wait left | back].
-        With too few outcomes, recency: 1 / (1 + age)."""
+        """Expected returns per second of a handle idle for `age`: P(back | idle so far) / E[wait left | back],
+        exact over the outcomes kept (sorted gaps and their suffix sums: a bisection per handle). With too few
+        outcomes, recency: 1 / (1 + age)."""
         if len(self.outcomes) < MIN_RETURNS:
             return 1.0 / (1.0 + max(0.0, age))
         if self._table is None or self._fresh >= REFRESH:
             self._table, self._fresh = self._compute(), 0
-        step = int(max(0.0, age) / self.life_s * AGE_STEPS)
-        return self._table[step] if step < AGE_STEPS else 0.0
+        gaps, suffix, never = self._table
+        i = bisect.bisect_right(gaps, age)
+        later = len(gaps) - i
+        if later == 0:
+            return 0.0                          # idle past every return seen
+        wait = max((suffix[i] - age * later) / later, MIN_WAIT_S)
+        return later / (later + never) / wait
 
     def _add(self, outcome: float | None) -> None:
         self.outcomes.append(outcome)
         self._fresh += 1
 
-    def _compute(self) -> list[float]:
+    def _compute(self) -> tuple[list[float], list[float], int]:
         gaps = sorted(g for g in self.outcomes if g is not None)
-        never = len(self.outcomes) - len(gaps)
-        table = []
-        for i in range(AGE_STEPS):
-            age = i * self.life_s / AGE_STEPS
-            later = [g - age for g in gaps if g > age]
-            if not later:
-                table.append(0.0)
-                continue
-            wait = max(sum(later) / len(later), self.life_s / AGE_STEPS)
-            table.append(len(later) / (len(later) + never) / wait)
-        return table
+        suffix = [0.0] * (len(gaps) + 1)
+        for i in range(len(gaps) - 1, -1, -1):
+            suffix[i] = suffix[i + 1] + gaps[i]
+        return gaps, suffix, len(self.outcomes) - len(gaps)
 
 
 @dataclass
@@ -103,7 +102,6 @@ class Earnings:
     kept_blocks: int = 0
     pressure: float = 1.0
     calm: int = 0                        # readings in a row that showed room
-    running_blocks: float = 0.0          # D's blocks in use, less the gateway's pins, at the last reading
     last_scrape: float = 0.0
     last_preemptions: float | None = None
     returns: Returns = field(init=False)
@@ -136,15 +134,13 @@ class Earnings:
         self.would = self.would * DECAY + (1.0 if used else 0.0)
         self.chances = self.chances * DECAY + 1.0
 
-    def observe(self, reading: DataPlane | None, capacity: int | None = None, pinned: int = 0) -> None:
+    def observe(self, reading: DataPlane | None) -> None:
         """One reading of D's /metrics (each counted once): short of blocks halves the pressure factor; after
         CALM_READINGS readings in a row with room it grows back (D's shortage comes in bursts between readings:
         one calm reading says little)."""
         if reading is None or reading.scraped_at <= self.last_scrape:
             return
         self.last_scrape = reading.scraped_at
-        if capacity and reading.kv_cache_usage is not None:      # what running requests hold: not ours to pin
-            self.running_blocks = max(0.0, reading.kv_cache_usage * capacity - pinned)
         preempted = (reading.preemptions is not None and self.last_preemptions is not None
                      and reading.preemptions > self.last_preemptions)
         if reading.preemptions is not None:
@@ -222,16 +218,14 @@ class PinEarnings:
             found = self.engines[engine] = Earnings(self.life_s)
         return found
 
-    def budget_blocks(self, engine: str, configured: int, capacity: int | None = None) -> int:
-        """The effective budget: the configured one scaled by how well pins pay and by D's pressure, and never
-        more than leaves RESERVE of D free beside what its running requests held at its last reading."""
+    def budget_blocks(self, engine: str, configured: int) -> int:
+        """The effective budget: the configured one scaled by how well pins pay and by D's pressure. (Not by
+        D's free blocks at its last reading: a reading taken while a long turn ran, or before a read handle was
+        freed, counts blocks that are free by now, and turned a long agent loop's new handles away.)"""
         if not self.adaptive:
             return configured
         d = self.of(engine)
-        budget = int(configured * d.pay * d.pressure)
-        if capacity:
-            budget = min(budget, max(0, int(capacity * (1.0 - RESERVE) - d.running_blocks)))
-        return budget
+        return int(configured * d.pay * d.pressure)
 
     def worth(self, engine: str, age: float, tokens: int, blocks: int) -> float:
         """Expected tokens saved per block and second of holding a handle idle for `age`."""

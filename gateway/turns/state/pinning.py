@@ -52,8 +52,7 @@ class Pinning:
         holder = self.decode_pool.get(engine)
         capacity = holder.info.get("num_gpu_blocks") if holder is not None else None
         if self.pins.earnings is not None and holder is not None:
-            self.pins.earnings.of(engine).observe(holder.data_plane, capacity,   # D short of blocks: fewer pins
-                                                  self.pins.pinned_blocks(engine))
+            self.pins.earnings.of(engine).observe(holder.data_plane)     # D short of blocks: fewer pins
         decision, victims = self.pins.admit(engine, session, handle.num_tokens or 0, capacity, now)
         if not decision.keep_new:
             self._release_evicted(handle, engine)
@@ -95,8 +94,7 @@ class Pinning:
             d = earnings.of(engine)
             self.metrics.pins_used_ratio.labels(engine).set(d.used_ratio)
             configured = self.pins.budget.budget_blocks(holder.info.get("num_gpu_blocks") if holder else None)
-            capacity = holder.info.get("num_gpu_blocks") if holder else None
-            budget = None if configured is None else earnings.budget_blocks(engine, configured, capacity)
+            budget = None if configured is None else earnings.budget_blocks(engine, configured)
             if budget is not None:
                 self.metrics.pin_budget_blocks.labels(engine).set(budget)
             if holder is not None:

@@ -101,8 +101,8 @@ class PinLedger:
         if self.earnings is None or not self.earnings.adaptive or budget is None:
             decision = self.budget.admit_oldest_first(others, self._idle(on, key), tokens, num_gpu_blocks)
         else:
-            decision = self._by_worth(engine, on, key, others, tokens,
-                                      self.earnings.budget_blocks(engine, budget, num_gpu_blocks), now)
+            decision = self._by_worth(engine, on, key, others, tokens, self.earnings.budget_blocks(engine, budget),
+                                      now)
         victims = [Victim(k, on.pins[k].turn, engine) for k in decision.release]
         for victim in victims:
             if self.earnings is not None:
