@@ -169,3 +169,23 @@ def test_worth_resolves_short_gaps_in_a_long_handle_life():
         r.back(0.05 + 0.001 * i)
     assert r.rate(1.0) == 0.0 and r.rate(0.0) > 1.0
     assert keep_by_worth(4640, [("old", 4640, r.rate(1.0))], 556, r.rate(0.0), 4960).release == ("old",)
+
+
+def test_a_handle_idle_long_past_its_conversations_own_gap_goes_first():
+    """An agent loop came back every 0.5 s and has been idle 5 s: it has ended, whatever the D's return times
+    say (other conversations take seconds); a new conversation's handle takes its place."""
+    ledger = PinLedger(PinBudget(0.5, BS), PinEarnings(0.5, 450.0))
+    loop = ConversationKey("t", "loop")
+    now = 0.0
+    for i in range(12):                                    # the loop: 12 steps, 0.5 s apart
+        ledger.returned(loop, now)
+        ledger.claim(loop, now)
+        ledger.spent(loop, 16)
+        ledger.admit(D, loop, 40 * BS, 100, now)
+        ledger.put(D, loop, i + 1, 40 * BS, now, now + 450.0)
+        now += 0.5
+    for i in range(MIN_RETURNS):                           # other conversations come back after 4-8 s
+        ledger.earnings.of(D).returns.back(4.0 + i * 0.5)
+    now += 4.5
+    decision, victims = ledger.admit(D, ConversationKey("t", "new"), 20 * BS, 100, now)
+    assert decision.keep_new and [v.key for v in victims] == [loop]

@@ -23,6 +23,8 @@ from gateway.turns.state.budget import Decision, Pin, PinBudget, blocks
 from gateway.turns.state.earning import PinEarnings, keep_by_worth
 
 WORTH_SCAN = 512     # idle handles ranked per admit at most, oldest first: a turn's work stays bounded
+OVERDUE = 4.0        # a handle idle this many times its conversation's last gap: that conversation has ended
+GAPS_KEPT = 100_000  # conversations whose last gap is remembered between their claim and their next handle
 
 
 @dataclass
@@ -34,6 +36,7 @@ class _Entry:
     expires_at: float       # D frees the blocks itself then
     seq: int                # tells this entry from a later one of the same conversation in the expiry heap
     claimed: bool = False
+    gap: float | None = None  # how long its conversation took to come back last time (earnings only)
 
 
 @dataclass
@@ -57,6 +60,7 @@ class PinLedger:
 
     def __init__(self, budget: PinBudget, earnings: PinEarnings | None = None) -> None:
         self.budget, self.earnings = budget, earnings
+        self._gaps: dict[ConversationKey, float] = {}
         self._pins: dict[ConversationKey, _Entry] = {}
         self._engines: dict[str, _OnEngine] = {}
         self._expiries: list[tuple[float, int, ConversationKey]] = []
@@ -67,6 +71,9 @@ class PinLedger:
         if (entry := self._pins.get(key)) is not None:
             if self.earnings is not None and not entry.claimed:
                 self.earnings.used(entry.engine, now - entry.last_used)
+                if len(self._gaps) >= GAPS_KEPT:
+                    self._gaps.pop(next(iter(self._gaps)))
+                self._gaps[key] = now - entry.last_used
             entry.claimed, entry.last_used = True, now
 
     def returned(self, key: ConversationKey, now: float) -> None:
@@ -119,14 +126,17 @@ class PinLedger:
         if others + need <= budget:
             return Decision((), True, others + need, budget)
         worth = self.earnings.worth
-        idle = [(p.key, blocks(p.tokens, bs), worth(engine, now - p.last_used, p.tokens, blocks(p.tokens, bs)))
-                for p in itertools.islice(self._idle(on, key), WORTH_SCAN)]
+        idle = []
+        for k, e in itertools.islice(((k, e) for k, e in on.pins.items() if k != key and not e.claimed), WORTH_SCAN):
+            age, n = now - e.last_used, blocks(e.tokens, bs)
+            overdue = e.gap is not None and age > OVERDUE * max(e.gap, 1e-3)    # its conversation has ended
+            idle.append((k, n, 0.0 if overdue else worth(engine, age, e.tokens, n)))
         return keep_by_worth(others, idle, need, worth(engine, 0.0, tokens, need), budget)
 
     def put(self, engine: str, key: ConversationKey, turn: int, tokens: int, now: float,
             expires_at: float) -> None:
         self.drop(key)
-        entry = _Entry(engine, turn, tokens, now, expires_at, next(self._seq))
+        entry = _Entry(engine, turn, tokens, now, expires_at, next(self._seq), gap=self._gaps.pop(key, None))
         self._pins[key] = entry
         on = self._engines.setdefault(engine, _OnEngine())
         on.pins[key] = entry
