@@ -40,7 +40,9 @@ from gateway.turns.intake.intake import Intake
 from gateway.turns.legs.release import HandleReleaser
 from gateway.turns.intake.render import Renderer
 from gateway.turns.state.budget import PinBudget
+from gateway.turns.state.earning import PinEarnings
 from gateway.turns.state.pins import PinLedger
+from gateway.turns.state.replicas import ReplicaShare
 from gateway.turns.state.responses import StoredResponses
 from gateway.turns.state.state import ConversationState
 from gateway.turns.runner import TurnRunner
@@ -107,6 +109,8 @@ async def _lifespan(app: Litestar, settings: Settings, tracing: Tracing,
         registry = EngineRegistry(prefill, decode, health, state.metrics)
         state.fleet = EngineAdmin(prefill, decode, registry)
         checker = asyncio.create_task(health.run())
+        ledger = runner.state.pins.pins
+        sharing = asyncio.create_task(ReplicaShare(store, ledger.budget).run()) if ledger is not None else None
         probing = await _calibrated(runner, prefill, decode, renderer, health, state.metrics, settings,
                                     models[0] if models else "")
         gc.freeze()      # start-up's objects (transformers, jinja, ...) leave the collector's scans for good
@@ -116,6 +120,8 @@ async def _lifespan(app: Litestar, settings: Settings, tracing: Tracing,
                 yield
         finally:
             checker.cancel()
+            if sharing is not None:
+                sharing.cancel()
             if probing is not None:
                 probing.cancel()
             await runner.drain()
@@ -135,7 +141,8 @@ def _runner(client: EngineClient, prefill: EnginePool, decode: EnginePool, store
     """The turn machinery: engine calls, the handle releaser and the conversation state, shared by every turn."""
     calls = EngineCalls(metrics)
     releaser = HandleReleaser(client, prefill, calls, metrics, model)
-    pins = PinLedger(PinBudget(settings.decode_pin_budget, block_size)) if block_size else None
+    earnings = PinEarnings(settings.decode_pin_budget, settings.handle_ttl_s, settings.decode_pin_policy == "adaptive")
+    pins = PinLedger(PinBudget(settings.decode_pin_budget, block_size), earnings) if block_size else None
     state = ConversationState(store=store, decode=decode, releaser=releaser, metrics=metrics, settings=settings,
                               block_size=block_size, renderer=renderer, pins=pins)
     return TurnRunner(client=client, prefill=prefill, decode=decode, state=state, calls=calls, releaser=releaser,

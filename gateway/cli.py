@@ -31,6 +31,7 @@ HELP = {
     "local_prefill_max_tokens": "a warm turn goes to the holder D alone when D computes at most this many tokens (0: off)",
     "conversation_ttl_s": "forget a conversation this long after its last turn",
     "decode_pin_budget": "fraction of each D's KV blocks the stored handles may pin; over it the least recently used idle ones are released (0: off, TTL only)",
+    "decode_pin_policy": "adaptive: pin as much of the budget as pins pay (used before evicted or expired; less while D is short of blocks; kept by expected saving), or lru: the whole budget, least recently used released first",
     "stream_handle_policy": "when D streams without its handle: miss (count it) or buffer (non-streamed D leg, re-streamed)",
     "history_tokens": "generated (default: past answers as D's own ids) or rendered (as their text, re-encoded)",
     "decode_load_bound": "outstanding requests above which a conversation leaves its D",

@@ -45,6 +45,7 @@ LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 LogFormat = Literal["text", "json"]
 TracingMode = Literal["off", "console", "otlp"]
 ConversationLookup = Literal["session", "prefix", "both"]   # how a turn finds its conversation
+PinPolicy = Literal["adaptive", "lru"]   # the pin budget: earned and D's pressure (earning.py), or fixed with LRU
 KVTransferMode = Literal["auto", "pull", "push"]   # NixlConnector or NixlPushConnector (docs/protocol.md §8)
 
 Seconds = Annotated[float, msgspec.Meta(gt=0)]            # a deadline or period: zero would never wait
@@ -76,6 +77,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     handle_ttl_margin_s: NonNegativeSeconds = DEFAULT_HANDLE_TTL_MARGIN_S
     conversation_ttl_s: Seconds = 86400.0
     decode_pin_budget: Fraction = DEFAULT_DECODE_PIN_BUDGET  # of D's KV blocks its stored handles may pin; 0: off
+    decode_pin_policy: PinPolicy = "adaptive"     # "adaptive": pins that pay, up to the budget; "lru": the budget fixed
     stream_handle_policy: StreamHandlePolicy = "miss"
     history_tokens: HistoryTokens = "generated"    # keeps D's KV when answers re-tokenize otherwise (vllm-findings)
     decode_load_bound: PositiveInt = 64            # outstanding requests above which affinity yields

@@ -56,6 +56,15 @@ class Metrics:
         self.handles_evicted = Counter(
             "pdgw_handles_evicted", "Idle handles released to keep a D within its pin budget", ["engine"],
             registry=r)
+        self.pins_used_ratio = Gauge(
+            "pdgw_pins_used_ratio", "Share of the handles kept on each D that a later turn used before they were "
+            "evicted or expired (decayed over about the last 50)", ["engine"], registry=r)
+        self.pin_saved_tokens = Counter(
+            "pdgw_pin_saved_tokens", "Prompt tokens read from kept handles instead of recomputed on P, per D",
+            ["engine"], registry=r)
+        self.pin_budget_blocks = Gauge(
+            "pdgw_pin_budget_blocks", "Each D's effective pin budget in blocks: decode_pin_budget scaled by how well "
+            "pins pay and by D's pressure", ["engine"], registry=r)
         self.push_decode_aborts = Counter(
             "pdgw_push_decode_aborts", "Push mode: D legs the gateway aborted while D waited for P's WRITE, by why "
             "(prefill_failed and no_write may leave D's blocks held: vLLM frees them only on a WRITE)", ["reason"],

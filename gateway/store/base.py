@@ -217,6 +217,13 @@ class ConversationStore(Protocol):
         """Forget the response; False when there was none. The conversation it belongs to is left alone."""
         ...
 
+    async def replicas(self, replica: str, now: float, ttl_s: float) -> int:
+        """Say gateway replica `replica` is alive until `now + ttl_s` and count the replicas alive at `now`,
+        itself included, in one round trip. Each replica pins at most D's pin budget divided by this count, so
+        the budget holds across replicas without a key that spans tenants on a turn's path (a tenant's keys stay
+        in its slot). The embedded store is one process's: it counts the replicas that beat on it."""
+        ...
+
     async def ping(self) -> bool: ...
 
     async def close(self) -> None: ...

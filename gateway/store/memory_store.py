@@ -50,7 +50,18 @@ class _Entry:
     evicted: int = 0  # the finished turn whose handle evict_handle took (0: none); reported once
 
 
-class MemoryConversationStore(ResponseMethods):
+class _ReplicaBeats:
+    """`ConversationStore.replicas` on one process's store: the replicas that beat on this very object."""
+
+    async def replicas(self, replica: str, now: float, ttl_s: float) -> int:
+        beats: dict[str, float] = self.__dict__.setdefault("_replica_beats", {})   # replica -> alive until
+        beats[replica] = now + ttl_s
+        for gone in [r for r, until in beats.items() if until < now]:
+            del beats[gone]
+        return len(beats)
+
+
+class MemoryConversationStore(ResponseMethods, _ReplicaBeats):
     kind = "memory"
 
     def __init__(

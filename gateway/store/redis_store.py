@@ -43,6 +43,9 @@ DEFAULT_CONNECT_TIMEOUT_S = 0.5
 DEFAULT_OP_TIMEOUT_S = 1.0
 
 
+REPLICAS_KEY = f"pdgw:{KEY_LAYOUT}:replicas"   # the gateway replicas alive (pin shares), no tenant's slot
+
+
 def tenant_prefix(tenant: str) -> str:
     """`pdgw:v2:{tenant}:`, the start of every key of one tenant: on Redis Cluster the `{tenant}` hash tag
     keeps a tenant's conversations and prefix index in one slot, so one script can touch them together.
@@ -107,6 +110,7 @@ class RedisConversationStore:
         self._find_by_prefix = client.register_script(scripts.FIND_BY_PREFIX)
         self._evict_handle = client.register_script(scripts.EVICT_HANDLE)
         self._put_back = client.register_script(scripts.PUT_BACK)
+        self._replicas = client.register_script(scripts.REPLICAS)
 
     @classmethod
     def from_url(
@@ -231,6 +235,11 @@ class RedisConversationStore:
         key = response_key(tenant, response_id)
         with _unavailable_on_fault():
             return bool(await self.client.delete(key))
+
+    async def replicas(self, replica: str, now: float, ttl_s: float) -> int:
+        with _unavailable_on_fault():
+            return int(await self._replicas(keys=[REPLICAS_KEY], args=[
+                replica, repr(float(now)), repr(float(now + ttl_s)), max(1, round(ttl_s * 1000))]))
 
     async def ping(self) -> bool:
         try:

@@ -209,3 +209,13 @@ if (tonumber(v[4]) or 0) > tonumber(ARGV[2]) then
 end
 return false
 """
+
+# KEYS: replicas sorted set; ARGV: replica id, now, expires_at, key ttl ms. A heartbeat and the count of replicas
+# alive, in one round trip; the set is the only key shared by every tenant, touched every few seconds per
+# replica, never on a turn's path (its own slot on Cluster).
+REPLICAS = """
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return redis.call('ZCARD', KEYS[1])
+"""

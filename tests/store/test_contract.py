@@ -373,3 +373,13 @@ async def test_stored_response_without_its_bulk(store: ConversationStore) -> Non
     assert meta == response_meta(stored_response(3)) and (meta.ids, meta.messages, meta.body) == (b"", b"", b"")
     assert meta.session == "chain-3" and meta.context == b"c" * 16
     assert await store.get_response("other", "resp_1", bulk=False) is None
+
+
+# -- replicas: each gateway replica's share of D's pin budget --------------------------------------------------
+async def test_replicas_count_the_live_heartbeats_of_every_replica(store: ConversationStore) -> None:
+    assert await store.replicas("r1", 100.0, 5.0) == 1
+    assert await store.replicas("r2", 101.0, 5.0) == 2          # another replica on the same store
+    assert await store.replicas("r1", 102.0, 5.0) == 2          # a beat again is still one replica
+    assert await store.replicas("r2", 104.0, 5.0) == 2
+    assert await store.replicas("r2", 107.5, 5.0) == 1          # r1 last beat at 102: gone after 107
+    assert await store.replicas("r3", 200.0, 5.0) == 1          # r2 gone too, r3 alone

@@ -12,7 +12,9 @@ from gateway.store import ConversationKey, MemoryConversationStore
 from gateway.telemetry import Metrics
 from gateway.turns.state.budget import PinBudget
 from gateway.turns.legs.capture import DecodeCapture
+from gateway.turns.state.earning import PinEarnings
 from gateway.turns.state.pins import PinLedger
+from gateway.engines.dataplane import DataPlane
 from gateway.turns.reuse.plan import Plan, PlanKind, Reason
 from gateway.turns.intake.request import TurnRequest
 from gateway.turns.state.state import ConversationState, Served
@@ -135,3 +137,55 @@ async def test_deleting_a_conversation_takes_its_pin_out_of_d_s_budget():
     assert await admin.delete(ConversationKey("t", "a"))
     assert releaser.released[-1] == (16, "deleted")
     assert value(metrics, "pdgw_pinned_tokens", engine=D) == 0 and state.pins.pins.pinned_tokens(D) == 0
+
+
+def make_adaptive(capacity: int) -> tuple[ConversationState, Releaser, Metrics]:
+    state, releaser, metrics = make_state(capacity)
+    earnings = PinEarnings(0.5, state.settings.handle_ttl_s)
+    state.pins.pins = PinLedger(PinBudget(0.5, BS), earnings)
+    return state, releaser, metrics
+
+
+async def test_d_short_of_blocks_pins_nothing_and_its_next_turn_is_a_full_prefill_with_a_reason():
+    """D's own readings (its /metrics, on the health loop) say it preempts: the pin budget falls to 0, the idle
+    handle goes, the new one is released at once (stateless PD's behaviour), the next turn says evicted."""
+    state, releaser, metrics = make_adaptive(capacity=100)
+    await turn(state, "a", 16)
+    assert releaser.released == []
+    holder = state.decode_pool.get(D)
+    for t, preemptions in enumerate((0, 1, 2, 3, 4, 5, 6)):
+        holder.observe(DataPlane(kv_cache_usage=0.99, requests_waiting=3, preemptions=preemptions, scraped_at=t + 1))
+        state.pins.pins.earnings.of(D).observe(holder.data_plane)
+    await turn(state, "b", 16)
+    assert sorted(releaser.released) == [(16, "evicted"), (16, "evicted")]
+    assert value(metrics, "pdgw_pin_budget_blocks", engine=D) == 0
+    assert value(metrics, "pdgw_pinned_tokens", engine=D) == 0
+    pins = holder.info["pins"]
+    assert pins["pressure_factor"] == 0.0 and pins["budget_blocks"] == 0 and pins["configured_budget_blocks"] == 50
+    _, claim = await turn(state, "b", 20)
+    assert claim.handle is None and claim.missing == Reason.EVICTED
+
+
+async def test_a_used_handle_counts_its_saved_tokens():
+    state, _, metrics = make_adaptive(capacity=100)
+    await turn(state, "a", 16)
+    key = ConversationKey("t", "a")
+    found, claim = await state.begin(request(20), key)
+    assert claim.handle is not None
+    await state.record(request(20), key, found.start, Plan(PlanKind.REUSE, Reason.CONTINUOUS, 16),
+                       Served("http://p0", D), capture(20, 1, 9))
+    assert value(metrics, "pdgw_pin_saved_tokens_total", engine=D) == 16
+    info = state.decode_pool.get(D).info["pins"]
+    assert info["used"] == 1 and info["saved_tokens"] == 16 and info["policy"] == "adaptive"
+
+
+async def test_replicas_on_one_store_share_d_s_budget():
+    """Two replicas beating on one store each pin half of D's budget; alone again, the whole of it."""
+    from gateway.turns.state.replicas import ALIVE_BEATS, ReplicaShare
+    store = MemoryConversationStore()
+    one, two = PinBudget(0.5, BS), PinBudget(0.5, BS)
+    a, b = ReplicaShare(store, one, 1.0, "a"), ReplicaShare(store, two, 1.0, "b")
+    assert await a.beat(10.0) == 1 and one.budget_blocks(100) == 50
+    assert await b.beat(10.5) == 2 and two.budget_blocks(100) == 25
+    assert await a.beat(11.0) == 2 and one.budget_blocks(100) == 25
+    assert await a.beat(11.0 + ALIVE_BEATS + 0.1) == 1 and one.budget_blocks(100) == 50   # b stopped beating

@@ -99,6 +99,19 @@ def test_a_new_conversation_goes_to_the_d_with_free_kv():
     assert p.pick_decode("http://d0").url == "http://d0"        # the holder keeps its conversation regardless
 
 
+def test_a_new_conversation_goes_to_the_d_whose_own_readings_show_room():
+    """D's running requests hold blocks the gateway does not count: D's vllm:kv_cache_usage_perc shows them."""
+    from gateway.engines.dataplane import DataPlane
+    p = pool(2)
+    for engine in p.engines.values():
+        engine.info.update(num_gpu_blocks=1000, block_size=16)
+    p.engines["http://d0"].observe(DataPlane(kv_cache_usage=0.95, scraped_at=1.0))   # no pins, but full
+    p.engines["http://d1"].observe(DataPlane(kv_cache_usage=0.10, scraped_at=1.0))
+    p.engines["http://d1"].outstanding_requests = 2
+    assert {p.pick_decode().url for _ in range(4)} == {"http://d1"}
+    assert p.pick_decode("http://d0").url == "http://d0"        # the holder keeps its conversation
+
+
 def test_unknown_capacity_routes_on_requests_alone():
     p = pool(2)
     p.engines["http://d0"].info["pinned_blocks"] = 900

@@ -31,7 +31,7 @@ class Pin:
 @dataclass(frozen=True)
 class Decision:
     release: tuple[Hashable, ...]   # keys of idle handles to release now, least recently used first
-    keep_new: bool             # False: the new handle alone exceeds the budget; release it rather than store it
+    keep_new: bool             # False: release the new handle rather than store it (alone over the budget, or worth less)
     pinned_blocks: int         # blocks pinned on D once the decision is carried out
     budget_blocks: int | None  # None: no budget (off, or D's capacity unknown)
 
@@ -52,11 +52,12 @@ class PinBudget:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, not {block_size}")
         self.fraction, self.block_size = fraction, block_size
+        self.replicas = 1          # gateway replicas sharing each D's budget (replicas.py): this one pins its share
 
     def budget_blocks(self, num_gpu_blocks: int | None) -> int | None:
         if self.fraction == OFF or not num_gpu_blocks:
             return None
-        return int(num_gpu_blocks * self.fraction)
+        return int(num_gpu_blocks * self.fraction / max(1, self.replicas))
 
     def pinned_blocks(self, pins: Iterable[Pin]) -> int:
         return sum(blocks(p.tokens, self.block_size) for p in pins)

@@ -1,6 +1,8 @@
 """The pin budget applied to the store: each stored handle entered in this process's ledger (pins.py), room
 made on D for a new one by evicting idle handles (out of the store first, then D's blocks freed), and D's
-pinned blocks reported where routing reads them. Without a ledger (no budget) every method does nothing."""
+pinned blocks reported where routing reads them. Without a ledger (no budget) every method does nothing. With
+the ledger's earnings (earning.py) also D's own readings fed in, and what pins earn reported: the metrics and
+`/admin/engines` (each D's `pins`)."""
 
 from __future__ import annotations
 
@@ -22,29 +24,40 @@ class Pinning:
         self.pins, self.store, self.decode_pool = pins, store, decode
         self.releaser, self.metrics = releaser, metrics
 
-    def claimed(self, key: ConversationKey, now: float) -> None:
-        """Its handle is being read: never a budget victim."""
-        if self.pins is not None:
+    def begun(self, key: ConversationKey, claimed: bool, now: float) -> None:
+        """A turn of the conversation began; `claimed`: its handle is being read, never a budget victim."""
+        if self.pins is None:
+            return
+        self.pins.returned(key, now)
+        if claimed:
             self.pins.claim(key, now)
 
-    def spent(self, key: ConversationKey) -> None:
-        """The claimed handle, if any, was read or released."""
-        if self.pins is not None:
-            self.pins.spent(key)
+    def spent(self, key: ConversationKey, reused_tokens: int = 0) -> None:
+        """The claimed handle, if any, was read (`reused_tokens` of it not recomputed) or released."""
+        if self.pins is None:
+            return
+        entry = self.pins.entry(key)
+        self.pins.spent(key, reused_tokens)
+        if entry is not None and entry.claimed and reused_tokens > 0 and self.pins.earnings is not None:
+            self.metrics.pin_saved_tokens.labels(entry.engine).inc(reused_tokens)
 
     def admit(self, session: ConversationKey, engine: str, handle: kv.Handle | None,
-              now: float) -> tuple[kv.Handle | None, list[Victim] | None]:
-        """Make room on D for the new handle: the idle handles to evict; (None, None) when the new handle
-        alone exceeds the budget (released at once, its conversation's next turn says `evicted`)."""
+              now: float) -> tuple[kv.Handle | None, list[Victim], bool]:
+        """Make room on D for the new handle: (the handle to store, the idle handles to evict, whether the new one
+        was turned away: released at once, its conversation's next turn says `evicted`). It is turned away when it
+        alone exceeds the budget or, adaptive, is worth less than what it would push out; victims may come with it
+        (a budget that shrank sheds idle handles)."""
         if handle is None or self.pins is None:
-            return handle, []
+            return handle, [], False
         holder = self.decode_pool.get(engine)
         capacity = holder.info.get("num_gpu_blocks") if holder is not None else None
+        if self.pins.earnings is not None and holder is not None:
+            self.pins.earnings.of(engine).observe(holder.data_plane)     # D short of blocks: fewer pins
         decision, victims = self.pins.admit(engine, session, handle.num_tokens or 0, capacity, now)
         if not decision.keep_new:
             self._release_evicted(handle, engine)
-            return None, None
-        return handle, victims
+            return None, victims, True
+        return handle, victims, False
 
     def deleted(self, key: ConversationKey, engine: str) -> None:
         """The conversation was deleted (its handle released): its blocks no longer count against D's budget."""
@@ -74,8 +87,19 @@ class Pinning:
         if self.pins is None:
             return
         self.metrics.pinned_tokens.labels(engine).set(self.pins.pinned_tokens(engine))
-        if (holder := self.decode_pool.get(engine)) is not None:
+        holder = self.decode_pool.get(engine)
+        if holder is not None:
             holder.info["pinned_blocks"] = self.pins.pinned_blocks(engine)
+        if (earnings := self.pins.earnings) is not None:
+            d = earnings.of(engine)
+            self.metrics.pins_used_ratio.labels(engine).set(d.used_ratio)
+            configured = self.pins.budget.budget_blocks(holder.info.get("num_gpu_blocks") if holder else None)
+            budget = None if configured is None else earnings.budget_blocks(engine, configured)
+            if budget is not None:
+                self.metrics.pin_budget_blocks.labels(engine).set(budget)
+            if holder is not None:
+                holder.info["pins"] = {**d.summary(), "budget_blocks": budget, "configured_budget_blocks": configured,
+                                       "policy": "adaptive" if earnings.adaptive else "lru"}
 
     def _release_evicted(self, handle: kv.Handle, engine: str) -> None:
         self.releaser.release(handle, EVICTED)

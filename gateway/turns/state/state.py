@@ -81,8 +81,7 @@ class ConversationState:
         if found is None:
             return None, None
         start = found.start
-        if start.handle_state == "claimed":
-            self.pins.claimed(found.key, time.time())
+        self.pins.begun(found.key, start.handle_state == "claimed", time.time())
         if req.rerender is not None and start.record is not None and start.record.answers:
             req.prompt_ids = req.rerender(start.record.answers)      # past answers as D generated them
         return found, self._claim(req, start)
@@ -111,14 +110,14 @@ class ConversationState:
         leased = capture.handle is not None and capture.handle.leased      # before the flags are D's own
         handle = self._verified_handle(capture)
         if session is not None:
-            self.pins.spent(session)                  # the claimed handle, if any, was read or released
+            self.pins.spent(session, plan.reused_tokens)   # the claimed handle, if any, was read or released
         if session is None or start is None or not capture.finished:
             if handle:
                 self.releaser.release(handle, "unused")
             return
         now = time.time()
         expires_at = now + (self.settings.lease_ttl_s if leased else self.settings.handle_ttl_s)
-        handle, victims = self.pins.admit(session, served.decode, handle, now)
+        handle, victims, turned_away = self.pins.admit(session, served.decode, handle, now)
         previous = start.record
         num_tokens, held = held_fingerprint(      # hashes only the blocks the plan did not verify
             req.prompt_ids, capture.prompt_ids, capture.output_ids, _held_tokens(handle, plan, capture),
@@ -127,7 +126,7 @@ class ConversationState:
             decode_engine=served.decode, prefill_engine=served.prefill, model=req.model,
             block_size=self.block_size, num_tokens=num_tokens, held_tokens=held.held_tokens,
             block_hashes=held.block_hashes, prefix_hash=held.prefix_hash,
-            handle_note="" if handle else (EVICTED if victims is None else _missing_note(req, capture, plan)),
+            handle_note="" if handle else (EVICTED if turned_away else _missing_note(req, capture, plan)),
             answers=self._answers(req, start, capture), created_at=previous.created_at if previous else now,
             updated_at=now)
         try:
@@ -140,7 +139,7 @@ class ConversationState:
         if handle and stored:
             self.pins.stored(served.decode, session, start.turn, handle, now, expires_at)
             self.finder.recent.stored(session, start.turn, record)     # the next sessionless turn's first try
-        await self.pins.evict(victims or [])
+        await self.pins.evict(victims)
         self.pins.report(served.decode)
 
     async def abandon(self, req: TurnRequest, session: ConversationKey | None, start: TurnStart | None,
