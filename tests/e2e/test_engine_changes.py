@@ -70,10 +70,14 @@ def test_sighup_reloads_the_engine_list(tmp_path):
         while set(engines(gateway.url)) != {p.url, d2.url}:
             assert time.monotonic() < deadline, engines(gateway.url)
             time.sleep(0.1)
+        def served() -> tuple[int, int]:     # a new engine also gets the pinned-ids probe's one-token request
+            return tuple(httpx.get(d.url + "/sim/stats").json()["requests_total"] for d in (d1, d2))
+        before = served()
         out = httpx.post(gateway.url + "/v1/chat/completions", headers={"X-Session-Id": uuid.uuid4().hex},
                          json={"model": "demo", "messages": [{"role": "user", "content": "hi"}]})
         assert out.status_code == 200
-        assert httpx.get(d2.url + "/sim/stats").json()["requests_total"] == 1
+        after = served()
+        assert after[0] == before[0] and after[1] > before[1]        # the turn went to the new D, not the old
     finally:
         for server in (gateway, p, d1, d2):
             server.stop()
