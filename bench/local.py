@@ -181,7 +181,7 @@ def run(sizes: Sizes) -> dict[str, Any]:
 def report(result: dict[str, Any], sizes: Sizes, seconds: float) -> tuple[str, str]:
     grid = result["grid"]
     ms = {key: value[0] * 1e3 for key, value in grid.items()}
-    lines = [SECTION, "",
+    lines = [SECTION, "", "![later-turn TTFT by new suffix, per history](local.png)", "",
              f"Run {datetime.date.today()}, {seconds:.0f} s, {sizes.reps} repetitions (medians), simulated engines "
              f"with the H200-like timing `{' '.join(TIMING)}` and `--batched-steps`. Later-turn TTFT (ms) of a "
              "conversation's second turn by history and new suffix; `local` is pd-gateway with the local path for "

@@ -107,8 +107,11 @@ def report(result: dict[tuple[str, str, int], float], corrupt: int, sizes: tuple
         lines.append(f"| {k(size)} | " + " | ".join(cells) + " |")
     lines += ["", f"Corrupt KV reads (the simulator's oracle, both modes): {corrupt}. vLLM reports 1.2-3.0x better "
               "TTFT for push when the router sends both legs at once; here the gain is what the timing model "
-              "gives (the fixed read cost is a measured pull figure; a push WRITE's own fixed cost on the H200 "
-              "is not measured: bench/gpu has no push recipe yet).", ""]
+              "gives (the fixed read cost is a measured pull figure). On the H200 (bench/GPU-RESULTS.md, \"Push vs "
+              "pull\") push was 1.05-1.21x faster at every size from 1.3k to 32k tokens; where the simulator's "
+              "push is slower (16k-32k, the `wire` profile most), the cost is the simulator's own, not vLLM's: "
+              "after P's answer its push path takes some 50-90 ms more than its pull read in some runs (bimodal "
+              "across repetitions, not found yet).", ""]
     measured = [r for r in ratio.values() if r == r]
     lo, hi = min(sizes), max(sizes)
     summary = (f"push: ttft_ratio_{k(lo)}={ratio[('h200', lo)]:.2f} ttft_ratio_{k(hi)}={ratio[('h200', hi)]:.2f} "
