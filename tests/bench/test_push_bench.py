@@ -27,4 +27,6 @@ def test_report_ratios_are_push_over_pull():
               for mode, t in (("pull", 0.2), ("push", 0.1 if p == "h200" else 0.3))}
     text, summary = push.report(result, 0, (1024, 4096), 1, 1.0)
     assert "| 1k | 200.0 | 100.0 | 0.50 | 200.0 | 300.0 | 1.50 |" in text
-    assert summary.endswith("wire_ratio_4k=1.50 push_faster_everywhere=0 corrupt=0")
+    assert summary.endswith("wire_ratio_4k=1.50 push_faster_everywhere=1 corrupt=0")    # judged on h200
+    result[("h200", "push", 4096)] = 0.25
+    assert push.report(result, 0, (1024, 4096), 1, 1.0)[1].endswith("push_faster_everywhere=0 corrupt=0")
