@@ -298,7 +298,7 @@ class PushReceiver:
             self.engine.pool.release(waiter.table)
             self.engine.stats.push_writes_after_abort += 1
         else:
-            waiter.future.set_result([[(int(t), int(p)) for t, p in block] for block in body.blocks])
+            waiter.future.set_result(body.blocks)      # msgspec made them (int, int) slots already
         return 200, None
 
     @property
