@@ -49,6 +49,7 @@ class Engine:
     healthy: bool = True
     outstanding_requests: int = 0
     outstanding_tokens: int = 0
+    running_kv_tokens: int = 0      # a D: prompt tokens of this gateway's requests running on it (the KV they hold)
     admitted_at: float = 0.0
     breaker: Breaker = field(default_factory=Breaker)
     info: dict = field(default_factory=dict)      # /version, block size, served models: filled at start-up
@@ -80,6 +81,16 @@ class Engine:
 
     def failed(self) -> None:
         self.breaker.failure(time.monotonic())
+
+    @contextmanager
+    def running(self, prompt_tokens: int) -> Iterator[None]:
+        """A request on D from its start to its last byte (a stream outlives its call): the KV it holds there,
+        which the pin budget leaves room for (earning.py)."""
+        self.running_kv_tokens += prompt_tokens
+        try:
+            yield
+        finally:
+            self.running_kv_tokens -= prompt_tokens
 
     @contextmanager
     def track(self, prompt_tokens: int = 0) -> Iterator[None]:

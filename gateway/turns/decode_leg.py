@@ -51,9 +51,10 @@ class DecodeLeg:
         body["stream"] = False
         body.pop("stream_options", None)
         clock = turn.req.clock
-        response = await self.calls.leg("decode", turn.decode, self.client.post_json(
-            turn.decode.url, turn.req.endpoint, body, timeout_s=self._first_byte_s(turn),
-            headers=turn.leg_headers("decode"), on_sent=clock.decode_out, on_answer=clock.decode_in))
+        with turn.decode.running(len(turn.req.prompt_ids)):
+            response = await self.calls.leg("decode", turn.decode, self.client.post_json(
+                turn.decode.url, turn.req.endpoint, body, timeout_s=self._first_byte_s(turn),
+                headers=turn.leg_headers("decode"), on_sent=clock.decode_out, on_answer=clock.decode_in))
         self.outcome.release_held_back(turn)
         self.outcome.observe("decode_ttft", began)
         capture = DecodeCapture()
@@ -98,6 +99,7 @@ class DecodeLeg:
         engine internals; record before `[DONE]`."""
         capture, began, first, recorded = DecodeCapture(), time.perf_counter(), True, False
         turn.decode.outstanding_requests += 1
+        turn.decode.running_kv_tokens += len(turn.req.prompt_ids)
         try:
             done = False
             while not done and (events := await stream.next_events()) is not None:
@@ -131,6 +133,7 @@ class DecodeLeg:
             stream.close()           # on client disconnect too: closing the connection aborts the request on D
             self.outcome.release_held_back(turn)
             turn.decode.outstanding_requests -= 1
+            turn.decode.running_kv_tokens -= len(turn.req.prompt_ids)
             turn.ticket.close()
             if not recorded:
                 await _shielded(self.outcome.abandon(turn))

@@ -8,7 +8,7 @@ import pytest
 from gateway.engines.dataplane import DataPlane
 from gateway.store import ConversationKey
 from gateway.turns.state.budget import PinBudget
-from gateway.turns.state.earning import (BACK_OFF, CALM_READINGS, MIN_RETURNS, PAY_FLOOR, USED_GOOD, Earnings,
+from gateway.turns.state.earning import (BACK_OFF, CALM_READINGS, MIN_RETURNS, PAY_FLOOR, RESERVE, USED_GOOD, Earnings,
                                          PinEarnings, Returns,
                                          keep_by_worth, short_of_blocks)
 from gateway.turns.state.pins import PinLedger
@@ -189,3 +189,37 @@ def test_a_handle_idle_long_past_its_conversations_own_gap_goes_first():
     now += 4.5
     decision, victims = ledger.admit(D, ConversationKey("t", "new"), 20 * BS, 100, now)
     assert decision.keep_new and [v.key for v in victims] == [loop]
+
+
+def test_running_requests_come_before_pins():
+    """D's share less what this gateway's running requests on it hold (their peak, RESERVE over) bounds the
+    budget, whatever pins would earn: a D its running requests fill pins nothing (issue 25, bench/PRESSURE.md:
+    at a tenth of the history D waited for blocks its pins held while stateless PD's did not)."""
+    e = PinEarnings(0.5, LIFE)
+    assert e.budget_blocks(D, 112) == 112                  # nothing measured of D's load yet
+    d = e.of(D)
+    d.load(224, 40)
+    assert d.room == int(224 - RESERVE * 40) and e.budget_blocks(D, 112) == 112   # room to spare
+    d.load(224, 150)
+    assert e.budget_blocks(D, 112) == int(224 - RESERVE * 150)
+    d.load(224, 200)
+    assert e.budget_blocks(D, 112) == 0                    # running requests need all of it
+    d.load(224, 0)                                         # a quiet moment right after a burst: still the peak
+    assert e.budget_blocks(D, 112) < 20
+    for _ in range(400):
+        d.load(224, 0)
+    assert e.budget_blocks(D, 112) == 112                  # the burst is long over
+    assert PinEarnings(0.5, LIFE, adaptive=False).budget_blocks(D, 112) == 112   # lru: the fixed budget
+    assert d.summary()["room_blocks"] == d.room
+
+
+def test_an_engine_counts_the_kv_of_requests_running_on_it():
+    from gateway.engines.engine import Engine
+    d = Engine("http://d", "decode")
+    with d.running(100):
+        with d.running(50):
+            assert d.running_kv_tokens == 150
+        assert d.running_kv_tokens == 100
+    with pytest.raises(RuntimeError), d.running(7):
+        raise RuntimeError
+    assert d.running_kv_tokens == 0

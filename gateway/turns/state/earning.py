@@ -9,6 +9,10 @@ readings (dataplane.py: KV usage, requests waiting, preemptions). From them, per
   and those not kept whose conversation came back in time: the budget lost those, not the conversation; never
   below PAY_FLOOR of it, so that some pins keep measuring), and while D is short of blocks (preempting, queueing with its KV nearly full, or full): at 0 the
   gateway pins nothing, stateless PD's behaviour, and D's blocks go to running requests;
+- never more than D's room left by its running requests: the KV this gateway's requests on D hold (their
+  prompts, at their recent peak, RESERVE over for answers and the handles they read) is taken from D's share
+  before pins get any. A D whose running requests need its blocks pins nothing, whatever pins would earn (the
+  readings above come a health interval late; this bound is the gateway's own, at every admit);
 - which handles to keep: by expected saving per block and second held, from how long this D's conversations
   take to come back and how long each handle has been idle. Recency alone (LRU) under a cyclic pattern evicts
   every handle just before its conversation returns; by expected saving the handles due soon stay and a new
@@ -42,6 +46,8 @@ MIN_RETURNS = 8       # fewer: worth falls back to recency
 REFRESH = 16          # new outcomes before the sorted gaps are recomputed
 MIN_WAIT_S = 0.001    # a handle due "now" is not worth infinitely much
 GHOSTS = 100_000      # conversations remembered without a kept handle, per process
+RESERVE = 1.25        # running requests' KV: their prompts' blocks and this much over (answers, template)
+PEAK_DECAY = 0.98     # per admit: the running requests' peak follows about the last 50 turns' bursts
 
 
 class Returns:
@@ -104,6 +110,8 @@ class Earnings:
     calm: int = 0                        # readings in a row that showed room
     last_scrape: float = 0.0
     last_preemptions: float | None = None
+    room: int | None = None              # blocks of D's share its running requests leave (None: not measured)
+    running_peak: float = 0.0            # decayed peak of the blocks this gateway's requests on D hold
     returns: Returns = field(init=False)
 
     def __post_init__(self) -> None:
@@ -153,8 +161,15 @@ class Earnings:
             if self.calm >= CALM_READINGS:
                 self.pressure = min(1.0, self.pressure + RECOVER)
 
+    def load(self, share_blocks: int, running_blocks: int) -> None:
+        """At an admit: D's share of blocks (its KV over the replicas pinning it) and the blocks this gateway's
+        running requests on D hold now. Their recent peak, not the instant: an admit comes as a turn ends, when
+        the burst it was part of may be over for a moment."""
+        self.running_peak = max(float(running_blocks), self.running_peak * PEAK_DECAY)
+        self.room = max(0, int(share_blocks - RESERVE * self.running_peak))
+
     def summary(self) -> dict[str, Any]:
-        return {"used_ratio": round(self.used_ratio, 3), "would_use_ratio": round(self.would_use_ratio, 3),
+        return {"room_blocks": self.room, "running_peak_blocks": round(self.running_peak, 1), "used_ratio": round(self.used_ratio, 3), "would_use_ratio": round(self.would_use_ratio, 3),
                 "pay_factor": round(self.pay, 3),
                 "pressure_factor": round(self.pressure, 3), "saved_tokens": self.saved_tokens,
                 "saved_tokens_per_kept_block": round(self.saved_tokens / self.kept_blocks, 2) if self.kept_blocks
@@ -225,7 +240,8 @@ class PinEarnings:
         if not self.adaptive:
             return configured
         d = self.of(engine)
-        return int(configured * d.pay * d.pressure)
+        earned = int(configured * d.pay * d.pressure)
+        return earned if d.room is None else min(earned, d.room)
 
     def worth(self, engine: str, age: float, tokens: int, blocks: int) -> float:
         """Expected tokens saved per block and second of holding a handle idle for `age`."""

@@ -13,7 +13,7 @@ from gateway.engines.pool import EnginePool
 from gateway.store import ConversationKey, ConversationStore, StoreUnavailableError
 from gateway.telemetry import Metrics
 from gateway.turns.legs.release import HandleReleaser
-from gateway.turns.state.budget import EVICTED
+from gateway.turns.state.budget import EVICTED, blocks
 from gateway.turns.state.pins import PinLedger, Victim
 from gateway.turns.state.timing import timed
 
@@ -52,7 +52,11 @@ class Pinning:
         holder = self.decode_pool.get(engine)
         capacity = holder.info.get("num_gpu_blocks") if holder is not None else None
         if self.pins.earnings is not None and holder is not None:
-            self.pins.earnings.of(engine).observe(holder.data_plane)     # D short of blocks: fewer pins
+            d = self.pins.earnings.of(engine)
+            d.observe(holder.data_plane)     # D short of blocks: fewer pins
+            if capacity:                     # what D's running requests need comes first
+                budget = self.pins.budget
+                d.load(capacity // max(1, budget.replicas), blocks(holder.running_kv_tokens, budget.block_size))
         decision, victims = self.pins.admit(engine, session, handle.num_tokens or 0, capacity, now)
         if not decision.keep_new:
             self._release_evicted(handle, engine)
