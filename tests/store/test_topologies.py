@@ -56,6 +56,12 @@ def _pings(port: int) -> bool:
         return False
 
 
+def _cluster_ok(port: int) -> bool:
+    """This node sees the cluster up and all three masters' slots (gossip reaches nodes at different times)."""
+    info = redis.Redis(port=port).cluster("info")
+    return info["cluster_state"] == "ok" and int(info["cluster_known_nodes"]) == 3 and int(info["cluster_size"]) == 3
+
+
 def wait_for(condition, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -103,7 +109,7 @@ def test_cluster_serves_the_store():
         subprocess.run([str(Path(redis_server_path()).with_name("redis-cli")), "--cluster", "create",
                         *[f"127.0.0.1:{p}" for p in ports], "--cluster-replicas", "0", "--cluster-yes"],
                        check=True, capture_output=True, timeout=30)
-        wait_for(lambda: redis.Redis(port=ports[0]).cluster("info")["cluster_state"] == "ok")
+        wait_for(lambda: all(_cluster_ok(p) for p in ports))      # every master, not only the first, agrees
         store = RedisConversationStore.from_url(f"redis+cluster://127.0.0.1:{ports[0]}")
 
         async def scenario() -> None:
