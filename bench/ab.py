@@ -40,8 +40,9 @@ def gateway(s: Servers, tree: str, python: str, prefill: list[Server], decode: l
     args = [python, "-m", "gateway", "serve", "--log-level", "warning", "--reuse-policy", "always", *flags,
             *engine_flags(prefill, decode), "--host", "127.0.0.1", "--port", "0", "--port-file", str(tmp / "port")]
     log = open(tmp / "log", "wb")
-    proc = subprocess.Popen(args, cwd=tree, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONPATH": str(Path(tree).resolve())})
+    path = [str(Path(tree).resolve()), os.environ.get("PYTHONPATH", "")]    # the tree's package first, then the
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}  # rest (the host's wheels: host/run.sh)
+    proc = subprocess.Popen(args, cwd=tree, stdout=log, stderr=subprocess.STDOUT, env=env)
     s.callback(stop_process, proc)
     return _await(proc, tmp / "port", tmp / "log", args)
 
