@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
@@ -25,6 +26,7 @@ from .base import (
     Conversation,
     ConversationKey,
     Holder,
+    INDEX_HASH_BYTES,
     HolderState,
     StoreUnavailableError,
     StoredResponse,
@@ -108,6 +110,7 @@ class RedisConversationStore:
         self._delete = client.register_script(scripts.DELETE)
         self._begin_found_turn = client.register_script(scripts.BEGIN_FOUND_TURN)
         self._find_by_prefix = client.register_script(scripts.FIND_BY_PREFIX)
+        self._find_or_begin = client.register_script(scripts.FIND_OR_BEGIN)
         self._evict_handle = client.register_script(scripts.EVICT_HANDLE)
         self._put_back = client.register_script(scripts.PUT_BACK)
         self._replicas = client.register_script(scripts.REPLICAS)
@@ -130,14 +133,8 @@ class RedisConversationStore:
         rkey = conversation_key(key)
         args = [repr(float(now)), repr(float(self.inflight_timeout_s)), self._ttl_ms, *_member(key)]
         with _unavailable_on_fault():
-            turn, state, record, handle, expires_at = await self._begin_turn(keys=[rkey], args=args)
-        return TurnStart(
-            turn=int(turn),
-            record=decode_record(record) if record is not None else None,
-            handle=decode_handle(handle) if handle is not None else None,
-            handle_state=state.decode() if isinstance(state, bytes) else state,
-            handle_expires_at=float(expires_at) if expires_at is not None else 0.0,
-        )
+            begun = await self._begin_turn(keys=[rkey], args=args)
+        return _begun(begun)
 
     async def begin_found_turn(self, key: ConversationKey, turn: int, now: float) -> TurnStart | None:
         rkey = conversation_key(key)
@@ -146,8 +143,8 @@ class RedisConversationStore:
             claimed = await self._begin_found_turn(keys=[rkey], args=args)
         if claimed is None:
             return None
-        started, record, handle, expires_at = claimed
-        return TurnStart(turn=int(started), record=decode_record(record), handle=decode_handle(handle),
+        started, record, handle, expires_at, blocks = claimed
+        return TurnStart(turn=int(started), record=_record(record, blocks), handle=decode_handle(handle),
                          handle_state="claimed", handle_expires_at=float(expires_at))
 
     async def find_by_prefix(
@@ -162,6 +159,23 @@ class RedisConversationStore:
             rows = await self._find_by_prefix(keys=[f"{prefix}pfx:"], args=args)
         return [_holder(tenant, row, now) for row in rows]
 
+    async def find_or_begin(
+        self, tenant: str, block_hashes: Sequence[bytes], prompt_tokens: int, now: float, new: ConversationKey,
+        limit: int = DEFAULT_MAX_HOLDERS,
+    ) -> tuple[list[Holder], TurnStart | None]:
+        # One script: the lookup and, when it finds nobody, the new conversation's begin (one slot: one tenant).
+        if new.tenant != tenant:
+            raise ValueError("find_or_begin: the new conversation must be the tenant's")
+        if not block_hashes or limit < 1:
+            return [], await self.begin_turn(new, now)
+        prefix, rkey = tenant_prefix(tenant), conversation_key(new)
+        args = [repr(float(now)), int(limit), int(prompt_tokens), prefix, repr(float(self.inflight_timeout_s)),
+                self._ttl_ms, session_digest(new.session), *block_hashes]
+        with _unavailable_on_fault():
+            reply = await self._find_or_begin(keys=[f"{prefix}pfx:", rkey], args=args)
+        holders = [_holder(tenant, row, now) for row in reply[0]]
+        return holders, _begun(reply[1]) if len(reply) > 1 else None
+
     async def finish_turn(
         self,
         key: ConversationKey,
@@ -170,15 +184,24 @@ class RedisConversationStore:
         handle: dict[str, Any] | None,
         handle_expires_at: float,
         now: float,
+        unchanged_blocks: int = 0,
     ) -> bool:
         rkey = conversation_key(key)
         handle_blob = encode_handle(handle) if handle is not None else b""
         digest = index_hash(record) if handle is not None and handle_expires_at > now else None
-        args = [int(turn), encode_record(record), handle_blob, repr(float(handle_expires_at)), self._ttl_ms,
-                repr(float(now)), *_member(key), key.session.encode("utf-8", "surrogatepass"),
-                int(record.held_tokens), digest or b""]
+        hashes = record.block_hashes
+        args = [int(turn), encode_record(msgspec.structs.replace(record, block_hashes=b"")), handle_blob,
+                repr(float(handle_expires_at)), self._ttl_ms, repr(float(now)), *_member(key),
+                key.session.encode("utf-8", "surrogatepass"), int(record.held_tokens), digest or b""]
+        # Only the blocks after those the stored hashes already hold travel; the script checks the seam.
+        kept = min(max(0, unchanged_blocks), len(hashes) // INDEX_HASH_BYTES) * INDEX_HASH_BYTES
         with _unavailable_on_fault():
-            return bool(await self._finish_turn(keys=[rkey], args=args))
+            if kept:
+                stored = await self._finish_turn(keys=[rkey], args=[
+                    *args, kept, hashes[kept - INDEX_HASH_BYTES:kept], hashes[kept:]])
+                if stored != 2:
+                    return bool(stored)
+            return bool(await self._finish_turn(keys=[rkey], args=[*args, 0, b"", hashes]))
 
     async def put_back(self, key: ConversationKey, start: TurnStart, now: float) -> bool:
         rkey = conversation_key(key)
@@ -199,13 +222,14 @@ class RedisConversationStore:
     async def get(self, key: ConversationKey) -> tuple[Conversation, dict[str, Any] | None, int] | None:
         rkey = conversation_key(key)
         with _unavailable_on_fault():
-            record, handle, expires_at, finished = await self.client.hmget(
-                rkey, ["record", "handle", "handle_expires_at", "finished"]
+            record, handle, expires_at, finished, blocks, blocks_of = await self.client.hmget(
+                rkey, ["record", "handle", "handle_expires_at", "finished", "blocks", "blocks_of"]
             )
         if record is None:
             return None
         live = handle is not None and float(expires_at or 0) > self._clock()
-        return decode_record(record), decode_handle(handle) if live else None, int(finished or 0)
+        blocks = blocks if blocks_of is not None and blocks_of == finished else None
+        return _record(record, blocks), decode_handle(handle) if live else None, int(finished or 0)
 
     async def delete(self, key: ConversationKey) -> dict[str, Any] | None:
         rkey = conversation_key(key)
@@ -258,8 +282,28 @@ def _member(key: ConversationKey) -> tuple[str, str]:
     return tenant_prefix(key.tenant), session_digest(key.session)
 
 
+def _record(blob: bytes, blocks: bytes | None) -> Conversation:
+    """A stored record with its block hashes, kept beside it (`blocks`) or, as an earlier layout wrote it, in it."""
+    record = decode_record(blob)
+    if blocks is not None:
+        record.block_hashes = blocks
+    return record
+
+
+def _begun(reply: list[Any]) -> TurnStart:
+    """BEGIN_TURN's reply (also FIND_OR_BEGIN's second part) as a TurnStart."""
+    turn, state, record, handle, expires_at, blocks = reply
+    return TurnStart(
+        turn=int(turn),
+        record=_record(record, blocks) if record is not None else None,
+        handle=decode_handle(handle) if handle is not None else None,
+        handle_state=state.decode() if isinstance(state, bytes) else state,
+        handle_expires_at=float(expires_at) if expires_at is not None else 0.0,
+    )
+
+
 def _holder(tenant: str, row: list[Any], now: float) -> Holder:
-    blocks, session, finished, started, record, handle_expires_at = row
+    blocks, session, finished, started, record, handle_expires_at, hashes = row
     state: HolderState
     if int(started) > int(finished):
         state = "in_flight"
@@ -268,4 +312,4 @@ def _holder(tenant: str, row: list[Any], now: float) -> Holder:
     else:
         state = "idle" if float(handle_expires_at) > now else "expired"
     key = ConversationKey(tenant, session.decode("utf-8", "surrogatepass"))
-    return Holder(key, int(finished), int(blocks), decode_record(record), state)
+    return Holder(key, int(finished), int(blocks), _record(record, hashes), state)

@@ -1,7 +1,7 @@
 """The start of a turn without a session id: find its conversation by its tokens, claim it, or start anew.
 
-One prefix lookup (one store round trip), then a claim of the first holder `lookup.claimable` keeps. The
-claim (`begin_found_turn`) succeeds only if that conversation is still exactly as the lookup saw it, and
+One prefix lookup (one store round trip, which also begins the new conversation when it finds nobody), then a
+claim of the first holder `lookup.claimable` keeps. The claim (`begin_found_turn`) succeeds only if that conversation is still exactly as the lookup saw it, and
 claims the handle at most once across every replica; a claim that loses a race (another sessionless turn of
 an identical conversation, or the holder's own next turn) changes nothing, and the next holder is tried (if
 a whole page of holders was lost, one more lookup fetches the next page: the claimed ones have left the index).
@@ -97,14 +97,20 @@ async def begin_sessionless(store: ConversationStore, tenant: str, prompt_ids: l
                 start = await store.begin_found_turn(holder.key, holder.turn, now)
                 if start is not None:
                     return Found(How.PREFIX, holder.key, start)
+        key = ConversationKey(tenant, new_session())
         for _ in range(LOOKUPS):
-            holders = await store.find_by_prefix(tenant, hashes, len(prompt_ids), now, DEFAULT_MAX_HOLDERS)
+            # A lookup that finds nobody has begun the new conversation too: one round trip for a first turn.
+            holders, start = await store.find_or_begin(tenant, hashes, len(prompt_ids), now, key,
+                                                       DEFAULT_MAX_HOLDERS)
+            if start is not None:
+                return Found(How.NEW, key, start)
             for holder in claimable(prompt_ids, model, holders, decode_ok):
                 start = await store.begin_found_turn(holder.key, holder.turn, now)
                 if start is not None:
                     return Found(How.PREFIX, holder.key, start)
             if len(holders) < DEFAULT_MAX_HOLDERS:
                 break          # that was every holder there is
+        return Found(How.NEW, key, await store.begin_turn(key, now))
     key = ConversationKey(tenant, new_session())
     return Found(How.NEW, key, await store.begin_turn(key, now))
 
