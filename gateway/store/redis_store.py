@@ -38,6 +38,7 @@ from .base import (
     index_hash,
     session_digest,
 )
+from .known import KnownBlocks, new_tag
 from .codec import decode_handle, decode_record, decode_response, encode_handle, encode_record, encode_response
 
 KEY_LAYOUT = "v2"  # bumped (with a migration) whenever the key or hash layout changes
@@ -104,6 +105,7 @@ class RedisConversationStore:
         self.inflight_timeout_s = inflight_timeout_s
         self._ttl_ms = max(1, round(conversation_ttl_s * 1000))
         self._clock = clock  # wall clock, for the handle checks of get and delete
+        self._known = KnownBlocks()  # the block hashes this process wrote: not read back by its next claim
         # Run by EVALSHA; the source is sent only when the server answers NOSCRIPT (e.g. after a restart).
         self._begin_turn = client.register_script(scripts.BEGIN_TURN)
         self._finish_turn = client.register_script(scripts.FINISH_TURN)
@@ -131,20 +133,23 @@ class RedisConversationStore:
 
     async def begin_turn(self, key: ConversationKey, now: float) -> TurnStart:
         rkey = conversation_key(key)
-        args = [repr(float(now)), repr(float(self.inflight_timeout_s)), self._ttl_ms, *_member(key)]
+        known = self._known.get(rkey)
+        args = [repr(float(now)), repr(float(self.inflight_timeout_s)), self._ttl_ms, *_member(key),
+                known[0] if known else ""]
         with _unavailable_on_fault():
             begun = await self._begin_turn(keys=[rkey], args=args)
-        return _begun(begun)
+        return _begun(begun, known)
 
     async def begin_found_turn(self, key: ConversationKey, turn: int, now: float) -> TurnStart | None:
         rkey = conversation_key(key)
-        args = [repr(float(now)), int(turn), self._ttl_ms, *_member(key)]
+        known = self._known.get(rkey)
+        args = [repr(float(now)), int(turn), self._ttl_ms, *_member(key), known[0] if known else ""]
         with _unavailable_on_fault():
             claimed = await self._begin_found_turn(keys=[rkey], args=args)
         if claimed is None:
             return None
         started, record, handle, expires_at, blocks = claimed
-        return TurnStart(turn=int(started), record=_record(record, blocks), handle=decode_handle(handle),
+        return TurnStart(turn=int(started), record=_record(record, blocks, known), handle=decode_handle(handle),
                          handle_state="claimed", handle_expires_at=float(expires_at))
 
     async def find_by_prefix(
@@ -195,13 +200,18 @@ class RedisConversationStore:
                 key.session.encode("utf-8", "surrogatepass"), int(record.held_tokens), digest or b""]
         # Only the blocks after those the stored hashes already hold travel; the script checks the seam.
         kept = min(max(0, unchanged_blocks), len(hashes) // INDEX_HASH_BYTES) * INDEX_HASH_BYTES
+        tag = new_tag()
+        self._known.drop(rkey)
         with _unavailable_on_fault():
+            stored = 2
             if kept:
                 stored = await self._finish_turn(keys=[rkey], args=[
-                    *args, kept, hashes[kept - INDEX_HASH_BYTES:kept], hashes[kept:]])
-                if stored != 2:
-                    return bool(stored)
-            return bool(await self._finish_turn(keys=[rkey], args=[*args, 0, b"", hashes]))
+                    *args, kept, hashes[kept - INDEX_HASH_BYTES:kept], hashes[kept:], tag])
+            if stored == 2:
+                stored = await self._finish_turn(keys=[rkey], args=[*args, 0, b"", hashes, tag])
+        if stored == 1:
+            self._known.put(rkey, f"{int(turn)}:{tag}", hashes)
+        return stored == 1
 
     async def put_back(self, key: ConversationKey, start: TurnStart, now: float) -> bool:
         rkey = conversation_key(key)
@@ -228,12 +238,14 @@ class RedisConversationStore:
         if record is None:
             return None
         live = handle is not None and float(expires_at or 0) > self._clock()
-        blocks = blocks if blocks_of is not None and blocks_of == finished else None
+        written = blocks_of is not None and finished is not None and blocks_of.startswith(finished + b":")
+        blocks = blocks if written else None          # as BLOCKS' blocks_of: else the record carries its own
         return _record(record, blocks), decode_handle(handle) if live else None, int(finished or 0)
 
     async def delete(self, key: ConversationKey) -> dict[str, Any] | None:
         rkey = conversation_key(key)
         with _unavailable_on_fault():
+            self._known.drop(rkey)
             handle = await self._delete(keys=[rkey], args=[repr(float(self._clock())), *_member(key)])
         return decode_handle(handle) if handle is not None else None
 
@@ -282,20 +294,25 @@ def _member(key: ConversationKey) -> tuple[str, str]:
     return tenant_prefix(key.tenant), session_digest(key.session)
 
 
-def _record(blob: bytes, blocks: bytes | None) -> Conversation:
-    """A stored record with its block hashes, kept beside it (`blocks`) or, as an earlier layout wrote it, in it."""
+def _record(blob: bytes, blocks: bytes | int | None, known: tuple[str, bytes] | None = None) -> Conversation:
+    """A stored record with its block hashes: kept beside it (`blocks`; 1: those `known` holds, the script found
+    its tag stored) or, as an earlier layout wrote it, in it (None)."""
     record = decode_record(blob)
-    if blocks is not None:
+    if isinstance(blocks, int):
+        if known is None:
+            raise StoreUnavailableError("the store answered with block hashes this process does not hold")
+        record.block_hashes = known[1]
+    elif blocks is not None:
         record.block_hashes = blocks
     return record
 
 
-def _begun(reply: list[Any]) -> TurnStart:
+def _begun(reply: list[Any], known: tuple[str, bytes] | None = None) -> TurnStart:
     """BEGIN_TURN's reply (also FIND_OR_BEGIN's second part) as a TurnStart."""
     turn, state, record, handle, expires_at, blocks = reply
     return TurnStart(
         turn=int(turn),
-        record=_record(record, blocks) if record is not None else None,
+        record=_record(record, blocks, known) if record is not None else None,
         handle=decode_handle(handle) if handle is not None else None,
         handle_state=state.decode() if isinstance(state, bytes) else state,
         handle_expires_at=float(expires_at) if expires_at is not None else 0.0,

@@ -7,9 +7,10 @@ conversation or a conversation's old index entry).
 
 Layout of one conversation hash, `pdgw:v2:{tenant}:conv:<session digest>`:
     record              msgpack Conversation (absent until a turn finishes), its block_hashes in `blocks`
-    blocks, blocks_of   the record's block hashes, and the turn that wrote them (valid while = finished; else
-                        the record carries its own, as an earlier script wrote it): a turn sends only its new
-                        blocks' hashes and keeps the stored ones its fingerprint verified (FINISH_TURN)
+    blocks, blocks_of   the record's block hashes, and `<turn>:<tag>` of the finish that wrote them (valid while
+                        turn = finished; else the record carries its own, as an earlier script wrote it): a
+                        turn sends only its new blocks' hashes (FINISH_TURN), and a begin naming the tag it
+                        holds them under is not sent them back (store/known.py)
     handle              msgpack engine handle (absent when none, claimed or expired)
     handle_expires_at   wall-clock seconds; the handle is dead at or after it
     started, finished   turn counters: the last turn begun, the last turn whose outcome was stored
@@ -52,14 +53,18 @@ end
 """
 
 # The record's block hashes, kept beside it in `blocks` so a turn sends only its new blocks (FINISH_TURN);
-# valid only when written with the record now stored (`blocks_of` = `finished`): a record written without them
-# (by an earlier layout's script) carries its own.
+# valid only when written with the record now stored (`blocks_of` = `<finished>:<the writer's tag>`): a record
+# written without them (by an earlier layout's script) carries its own. `known`: the `blocks_of` the caller
+# holds the hashes of (store/known.py); then 1 ("as you hold them") instead of the bytes.
 _BLOCKS = """
-local function blocks_of(blocks, written_by, finished)
-  if blocks and written_by and written_by == finished then
-    return blocks
+local function blocks_of(blocks, tag, finished, known)
+  if not blocks or not tag or not finished or string.sub(tag, 1, #finished + 1) ~= finished .. ':' then
+    return false
   end
-  return false
+  if known and known == tag then
+    return 1
+  end
+  return blocks
 end
 """
 
@@ -67,7 +72,7 @@ end
 # or nil}. Removing the handle in the same script as reading it is what makes a handle single use across every
 # gateway replica; its index entry goes with it, so a lookup never offers a handle that is gone.
 _BEGIN = _UNINDEX + _BLOCKS + """
-local function begin(conv, now_arg, inflight_timeout_s, ttl_ms, tenant_prefix, member)
+local function begin(conv, now_arg, inflight_timeout_s, ttl_ms, tenant_prefix, member, known)
   local now = tonumber(now_arg)
   local v = redis.call('HMGET', conv, 'record', 'handle', 'handle_expires_at',
                        'started', 'finished', 'started_at', 'evicted', 'blocks', 'blocks_of')
@@ -96,20 +101,21 @@ local function begin(conv, now_arg, inflight_timeout_s, ttl_ms, tenant_prefix, m
   end
   redis.call('HSET', conv, 'started', started + 1, 'started_at', now_arg)
   redis.call('PEXPIRE', conv, ttl_ms)
-  return {started + 1, state, v[1], handle, expires_at, blocks_of(v[8], v[9], v[5])}
+  return {started + 1, state, v[1], handle, expires_at, blocks_of(v[8], v[9], v[5], known)}
 end
 """
 
-# KEYS[1] conversation; ARGV: now, inflight_timeout_s, ttl_ms, tenant prefix, session digest. Returns `begin`'s.
+# KEYS[1] conversation; ARGV: now, inflight_timeout_s, ttl_ms, tenant prefix, session digest, known blocks tag
+# ('' for none). Returns `begin`'s.
 BEGIN_TURN = _BEGIN + """
-return begin(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])
+return begin(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6])
 """
 
 # KEYS[1] conversation; ARGV: now, turn (the one whose record the lookup returned), ttl_ms, tenant prefix,
-# session digest. Returns {turn, record, handle, handle_expires_at, blocks or nil} having claimed the handle as BEGIN_TURN
-# does, or nil having changed nothing: a conversation that moved on (a newer record), has a turn in flight, or
-# whose handle is claimed or dead is not touched, so a sessionless request can never disturb someone else's
-# turn counters.
+# session digest, known blocks tag. Returns {turn, record, handle, handle_expires_at, blocks} having claimed the
+# handle as BEGIN_TURN does, or nil having changed nothing: a conversation that moved on (a newer record), has a
+# turn in flight, or whose handle is claimed or dead is not touched, so a sessionless request can never disturb
+# someone else's turn counters.
 BEGIN_FOUND_TURN = _UNINDEX + _BLOCKS + """
 local turn = tonumber(ARGV[2])
 local v = redis.call('HMGET', KEYS[1], 'record', 'handle', 'handle_expires_at', 'started', 'finished',
@@ -122,13 +128,13 @@ redis.call('HDEL', KEYS[1], 'handle', 'handle_expires_at')
 unindex(KEYS[1], ARGV[4], ARGV[5])
 redis.call('HSET', KEYS[1], 'started', turn + 1, 'started_at', ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return {turn + 1, v[1], v[2], v[3], blocks_of(v[6], v[7], v[5])}
+return {turn + 1, v[1], v[2], v[3], blocks_of(v[6], v[7], v[5], ARGV[6])}
 """
 
 # KEYS[1] conversation; ARGV: turn, record, handle ('' for none), handle_expires_at, ttl_ms, now,
 # tenant prefix, session digest, session, held_tokens, index hash ('' for none: no live handle to offer),
 # kept (bytes of the stored block hashes the record keeps), seam (the last 16 of those kept bytes, '' when none
-# are kept), the record's block hashes after the kept ones.
+# are kept), the record's block hashes after the kept ones, the writer's tag for them (store/known.py).
 # Returns 1 if stored, 0 if a newer turn began (or this one already finished): nothing changed then; 2 (nothing
 # changed either) when the stored block hashes do not end the kept bytes with `seam`: send them all (kept 0).
 # Chained hashes: an equal seam means equal hashes before it, so the stored blocks are the record's exactly.
@@ -142,14 +148,14 @@ end
 local kept = tonumber(ARGV[12])
 local blocks = ARGV[14]
 if kept > 0 then
-  local old = blocks_of(v[3], v[4], v[2])
+  local old = blocks_of(v[3], v[4], v[2], false)
   if not old or #old < kept or string.sub(old, kept - 15, kept) ~= ARGV[13] then
     return 2
   end
   blocks = string.sub(old, 1, kept) .. blocks
 end
 redis.call('HSET', KEYS[1], 'record', ARGV[2], 'finished', ARGV[1], 'session', ARGV[9], 'held', ARGV[10],
-           'blocks', blocks, 'blocks_of', ARGV[1])
+           'blocks', blocks, 'blocks_of', ARGV[1] .. ':' .. ARGV[15])
 redis.call('HDEL', KEYS[1], 'evicted')
 if ARGV[3] ~= '' then
   redis.call('HSET', KEYS[1], 'handle', ARGV[3], 'handle_expires_at', ARGV[4])
@@ -218,7 +224,7 @@ local function find(now, limit_arg, tokens_arg, prefix, first)
                            'started', 'handle', 'handle_expires_at', 'blocks', 'blocks_of')
       if v[1] and v[2] and (tonumber(v[3]) or 0) <= tokens then
         out[#out + 1] = {i - first + 1, v[2], v[4] or '0', v[5] or '0', v[1], v[6] and v[7] or false,
-                         blocks_of(v[8], v[9], v[4])}
+                         blocks_of(v[8], v[9], v[4], false)}
         if #out >= limit then
           return out
         end
@@ -244,7 +250,7 @@ local out = find(ARGV[1], ARGV[2], ARGV[3], ARGV[4], 8)
 if #out > 0 then
   return {out}
 end
-return {out, begin(KEYS[2], ARGV[1], ARGV[5], ARGV[6], ARGV[4], ARGV[7])}
+return {out, begin(KEYS[2], ARGV[1], ARGV[5], ARGV[6], ARGV[4], ARGV[7], false)}
 """
 
 # KEYS[1] conversation; ARGV: turn, now, tenant prefix, session digest. Takes the handle only if `turn` stored it and no later turn began

@@ -110,3 +110,46 @@ async def test_a_record_an_earlier_layout_wrote_keeps_its_own_hashes(make_store)
     grown = record(hashes(4, 5, 6, 7), held=63)
     assert await store.finish_turn(KEY, start.turn, grown, HANDLE, time.time() + 60, time.time(), 3)
     assert (await store.get(KEY))[0] == grown
+
+
+def redis_kinds(make_store) -> RedisConversationStore:
+    store = make_store()
+    if not isinstance(store, RedisConversationStore):
+        pytest.skip("the Redis store's memo of the hashes it wrote (store/known.py)")
+    return store
+
+
+async def test_a_replica_reads_back_what_another_wrote_and_not_what_it_wrote(make_store) -> None:
+    a = redis_kinds(make_store)
+    b = RedisConversationStore(a.client)           # another replica on the same server
+    one, two = record(hashes(1, 2, 3), held=47), record(hashes(1, 2, 3, 4), held=63)
+    assert await turn(a, one, 0)
+    replies = []
+    original = a._begin_turn
+
+    async def spy(**kwargs):
+        replies.append(await original(**kwargs))
+        return replies[-1]
+    a._begin_turn = spy
+    start = await a.begin_turn(KEY, time.time())
+    assert start.record == one and replies[-1][5] == 1          # its own write: not sent back
+    assert await a.finish_turn(KEY, start.turn, two, HANDLE, time.time() + 60, time.time(), 3)
+    start = await b.begin_turn(KEY, time.time())
+    assert start.record == two                                   # b holds nothing: sent the bytes
+    three = record(hashes(1, 2, 3, 4, 5), held=79)
+    assert await b.finish_turn(KEY, start.turn, three, HANDLE, time.time() + 60, time.time(), 4)
+    start = await a.begin_turn(KEY, time.time())
+    assert start.record == three and replies[-1][5] == three.block_hashes   # a's memo went stale: the bytes
+
+
+async def test_a_memo_of_a_deleted_conversation_never_matches_its_new_life(make_store) -> None:
+    a = redis_kinds(make_store)
+    b = RedisConversationStore(a.client)
+    assert await turn(a, record(hashes(1, 2, 3)), 0)             # a remembers turn 1's hashes
+    await b.delete(KEY)
+    fresh = record(hashes(9, 8), held=40)
+    assert await turn(b, fresh, 0)                               # turn 1 again, other hashes
+    [holder] = await a.find_by_prefix("acme", [bytes([b]) * 16 for b in (9, 8, 7)], 48, time.time())
+    assert holder.record == fresh
+    claimed = await a.begin_found_turn(holder.key, holder.turn, time.time())
+    assert claimed is not None and claimed.record == fresh
