@@ -193,9 +193,9 @@ def _unchanged(previous: Conversation | None, record: Conversation) -> int:
         return 0
     old, new = previous.block_hashes, record.block_hashes
     low, high = 0, min(len(old), len(new)) // HASH_BYTES
-    while low < high:   # chained hashes: the i-th equal means every one before it is equal too
+    while low < high:   # the longest equal prefix, by bisection (a memory compare of a few KB each step)
         mid = (low + high + 1) // 2
-        if old[(mid - 1) * HASH_BYTES:mid * HASH_BYTES] == new[(mid - 1) * HASH_BYTES:mid * HASH_BYTES]:
+        if old[:mid * HASH_BYTES] == new[:mid * HASH_BYTES]:
             low = mid
         else:
             high = mid - 1
