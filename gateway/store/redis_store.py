@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -75,21 +75,68 @@ def client_from_url(
     url: str,
     *,
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
-    op_timeout_s: float = DEFAULT_OP_TIMEOUT_S,
+    op_timeout_s: float | None = DEFAULT_OP_TIMEOUT_S,
 ) -> aioredis.Redis:
     """A redis-py asyncio client for a server, Sentinel or Cluster URL (see topology.py); hiredis parses."""
     return topology.client(url, connect_timeout_s=connect_timeout_s, op_timeout_s=op_timeout_s)
 
 
-@contextlib.contextmanager
-def _unavailable_on_fault() -> Iterator[None]:
-    try:
-        yield
-    except (RedisError, OSError, asyncio.TimeoutError) as exc:
-        raise StoreUnavailableError(f"redis: {type(exc).__name__}: {exc}") from exc
+class _Op:
+    """One store operation's bounds: done within `seconds` (an `asyncio.timeout`, a timer: redis-py's own socket
+    timeout costs a task per command, asyncio.wait_for on Python 3.11), and any fault a StoreUnavailableError."""
+
+    __slots__ = ("_timeout",)
+
+    def __init__(self, seconds: float | None) -> None:
+        self._timeout = asyncio.timeout(seconds)
+
+    async def __aenter__(self) -> None:
+        await self._timeout.__aenter__()
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        try:
+            await self._timeout.__aexit__(kind, exc, tb)
+        except TimeoutError as timeout:          # the operation ran past its time (redis-py dropped the connection)
+            raise StoreUnavailableError("redis: TimeoutError: no answer in time") from timeout
+        if isinstance(exc, (RedisError, OSError, asyncio.TimeoutError)):
+            raise StoreUnavailableError(f"redis: {type(exc).__name__}: {exc}") from exc
+        return False
 
 
-class RedisConversationStore:
+class _Responses:
+    """Stored Responses API responses: one hash per response in its tenant's slot."""
+
+    client: aioredis.Redis
+    _ttl_ms: int
+
+    def _op(self) -> _Op:
+        raise NotImplementedError
+
+    async def put_response(self, tenant: str, response_id: str, response: StoredResponse) -> None:
+        # One hash: its small fields alone (`meta`) beside the whole response, written and given its TTL in one
+        # MULTI (a single key: fine on Cluster too).
+        key = response_key(tenant, response_id)
+        async with self._op():
+            async with self.client.pipeline(transaction=True) as pipe:
+                pipe.delete(key)
+                pipe.hset(key, mapping={"meta": encode_response(response_meta(response)),
+                                        "whole": encode_response(response)})
+                pipe.pexpire(key, self._ttl_ms)
+                await pipe.execute()
+
+    async def get_response(self, tenant: str, response_id: str, bulk: bool = True) -> StoredResponse | None:
+        key = response_key(tenant, response_id)
+        async with self._op():
+            blob = await self.client.hget(key, "whole" if bulk else "meta")
+        return decode_response(blob) if blob is not None else None
+
+    async def delete_response(self, tenant: str, response_id: str) -> bool:
+        key = response_key(tenant, response_id)
+        async with self._op():
+            return bool(await self.client.delete(key))
+
+
+class RedisConversationStore(_Responses):
     kind = "redis"
 
     def __init__(
@@ -99,8 +146,10 @@ class RedisConversationStore:
         *,
         inflight_timeout_s: float = DEFAULT_INFLIGHT_TIMEOUT_S,
         clock: Callable[[], float] = time.time,
+        op_timeout_s: float | None = DEFAULT_OP_TIMEOUT_S,
     ) -> None:
         self.client = client
+        self.op_timeout_s = op_timeout_s     # each operation's bound (the client's own socket timeout may be none)
         self.conversation_ttl_s = conversation_ttl_s
         self.inflight_timeout_s = inflight_timeout_s
         self._ttl_ms = max(1, round(conversation_ttl_s * 1000))
@@ -128,15 +177,20 @@ class RedisConversationStore:
         op_timeout_s: float = DEFAULT_OP_TIMEOUT_S,
         clock: Callable[[], float] = time.time,
     ) -> RedisConversationStore:
-        client = client_from_url(url, connect_timeout_s=connect_timeout_s, op_timeout_s=op_timeout_s)
-        return cls(client, conversation_ttl_s, inflight_timeout_s=inflight_timeout_s, clock=clock)
+        # No socket timeout in the client: each operation is bounded by the store itself (`_op`).
+        client = client_from_url(url, connect_timeout_s=connect_timeout_s, op_timeout_s=None)
+        return cls(client, conversation_ttl_s, inflight_timeout_s=inflight_timeout_s, clock=clock,
+                   op_timeout_s=op_timeout_s)
+
+    def _op(self) -> _Op:
+        return _Op(self.op_timeout_s)
 
     async def begin_turn(self, key: ConversationKey, now: float) -> TurnStart:
         rkey = conversation_key(key)
         known = self._known.get(rkey)
         args = [repr(float(now)), repr(float(self.inflight_timeout_s)), self._ttl_ms, *_member(key),
                 known[0] if known else ""]
-        with _unavailable_on_fault():
+        async with self._op():
             begun = await self._begin_turn(keys=[rkey], args=args)
         return _begun(begun, known)
 
@@ -144,7 +198,7 @@ class RedisConversationStore:
         rkey = conversation_key(key)
         known = self._known.get(rkey)
         args = [repr(float(now)), int(turn), self._ttl_ms, *_member(key), known[0] if known else ""]
-        with _unavailable_on_fault():
+        async with self._op():
             claimed = await self._begin_found_turn(keys=[rkey], args=args)
         if claimed is None:
             return None
@@ -160,7 +214,7 @@ class RedisConversationStore:
         if not block_hashes or limit < 1:
             return []
         args = [repr(float(now)), int(limit), int(prompt_tokens), prefix, *block_hashes]
-        with _unavailable_on_fault():
+        async with self._op():
             rows = await self._find_by_prefix(keys=[f"{prefix}pfx:"], args=args)
         return [_holder(tenant, row, now) for row in rows]
 
@@ -176,7 +230,7 @@ class RedisConversationStore:
         prefix, rkey = tenant_prefix(tenant), conversation_key(new)
         args = [repr(float(now)), int(limit), int(prompt_tokens), prefix, repr(float(self.inflight_timeout_s)),
                 self._ttl_ms, session_digest(new.session), *block_hashes]
-        with _unavailable_on_fault():
+        async with self._op():
             reply = await self._find_or_begin(keys=[f"{prefix}pfx:", rkey], args=args)
         holders = [_holder(tenant, row, now) for row in reply[0]]
         return holders, _begun(reply[1]) if len(reply) > 1 else None
@@ -202,7 +256,7 @@ class RedisConversationStore:
         kept = min(max(0, unchanged_blocks), len(hashes) // INDEX_HASH_BYTES) * INDEX_HASH_BYTES
         tag = new_tag()
         self._known.drop(rkey)
-        with _unavailable_on_fault():
+        async with self._op():
             stored = 2
             if kept:
                 stored = await self._finish_turn(keys=[rkey], args=[
@@ -220,18 +274,18 @@ class RedisConversationStore:
         args = [int(start.turn), encode_handle(handle) if handle is not None else b"",
                 repr(float(start.handle_expires_at)), repr(float(now)), self._ttl_ms, *_member(key),
                 digest or b"", b"1" if start.handle_state == "evicted" else b""]
-        with _unavailable_on_fault():
+        async with self._op():
             return bool(await self._put_back(keys=[rkey], args=args))
 
     async def evict_handle(self, key: ConversationKey, turn: int) -> dict[str, Any] | None:
         rkey = conversation_key(key)
-        with _unavailable_on_fault():
+        async with self._op():
             handle = await self._evict_handle(keys=[rkey], args=[int(turn), repr(float(self._clock())), *_member(key)])
         return decode_handle(handle) if handle is not None else None
 
     async def get(self, key: ConversationKey) -> tuple[Conversation, dict[str, Any] | None, int] | None:
         rkey = conversation_key(key)
-        with _unavailable_on_fault():
+        async with self._op():
             record, handle, expires_at, finished, blocks, blocks_of = await self.client.hmget(
                 rkey, ["record", "handle", "handle_expires_at", "finished", "blocks", "blocks_of"]
             )
@@ -244,42 +298,19 @@ class RedisConversationStore:
 
     async def delete(self, key: ConversationKey) -> dict[str, Any] | None:
         rkey = conversation_key(key)
-        with _unavailable_on_fault():
+        async with self._op():
             self._known.drop(rkey)
             handle = await self._delete(keys=[rkey], args=[repr(float(self._clock())), *_member(key)])
         return decode_handle(handle) if handle is not None else None
 
-    async def put_response(self, tenant: str, response_id: str, response: StoredResponse) -> None:
-        # One hash: its small fields alone (`meta`) beside the whole response, written and given its TTL in one
-        # MULTI (a single key: fine on Cluster too).
-        key = response_key(tenant, response_id)
-        with _unavailable_on_fault():
-            async with self.client.pipeline(transaction=True) as pipe:
-                pipe.delete(key)
-                pipe.hset(key, mapping={"meta": encode_response(response_meta(response)),
-                                        "whole": encode_response(response)})
-                pipe.pexpire(key, self._ttl_ms)
-                await pipe.execute()
-
-    async def get_response(self, tenant: str, response_id: str, bulk: bool = True) -> StoredResponse | None:
-        key = response_key(tenant, response_id)
-        with _unavailable_on_fault():
-            blob = await self.client.hget(key, "whole" if bulk else "meta")
-        return decode_response(blob) if blob is not None else None
-
-    async def delete_response(self, tenant: str, response_id: str) -> bool:
-        key = response_key(tenant, response_id)
-        with _unavailable_on_fault():
-            return bool(await self.client.delete(key))
-
     async def replicas(self, replica: str, now: float, ttl_s: float) -> int:
-        with _unavailable_on_fault():
+        async with self._op():
             return int(await self._replicas(keys=[REPLICAS_KEY], args=[
                 replica, repr(float(now)), repr(float(now + ttl_s)), max(1, round(ttl_s * 1000))]))
 
     async def ping(self) -> bool:
         try:
-            with _unavailable_on_fault():
+            async with self._op():
                 return bool(await self.client.ping())
         except StoreUnavailableError:
             return False
