@@ -75,7 +75,7 @@ class Conversation(msgspec.Struct, kw_only=True):
     block_size: int = 0
     num_tokens: int = 0  # len(S)
     held_tokens: int = 0  # R
-    block_hashes: bytes = b""  # 16 bytes per full block, computed by the caller
+    block_hashes: bytes = b""  # 16 bytes per full block, by the caller, chained (the i-th fixes those before)
     prefix_hash: bytes = b""
     handle_note: str = ""  # why the last turn stored no handle (a reason code), if it had none
     answers: list[Answer] = []  # bounded by the caller; empty unless history_tokens is "generated"
@@ -164,6 +164,14 @@ class ConversationStore(Protocol):
         prompt that short can extend them) are skipped; at most `limit` holders."""
         ...
 
+    async def find_or_begin(
+        self, tenant: str, block_hashes: Sequence[bytes], prompt_tokens: int, now: float, new: ConversationKey,
+        limit: int = DEFAULT_MAX_HOLDERS,
+    ) -> tuple[list[Holder], TurnStart | None]:
+        """`find_by_prefix`, and when it finds no holder at all, `begin_turn(new, now)` too, in one round trip
+        (a sessionless turn's new conversation; `new` is a key of `tenant`): (holders, None) or ([], its start)."""
+        ...
+
     async def finish_turn(
         self,
         key: ConversationKey,
@@ -172,8 +180,14 @@ class ConversationStore(Protocol):
         handle: dict[str, Any] | None,
         handle_expires_at: float,
         now: float,
+        unchanged_blocks: int = 0,
     ) -> bool:
         """Store the turn's outcome only if no newer turn began; False: nothing changed, release `handle`.
+
+        `unchanged_blocks`: a hint that the record's first block hashes are those of the record the turn began
+        with (its fingerprint verified them), so a store may send only the rest; the stored record is `record`
+        exactly either way: a store that sends the rest checks that the hashes it holds end the unchanged ones
+        with the record's (chained hashes: then all of them are the record's), else it sends every hash.
 
         With a handle, the record's `index_hash` is indexed for `key.tenant` in the same atomic step, live as
         long as the handle; the conversation's previous entry goes (a claim or a delete removes it too)."""

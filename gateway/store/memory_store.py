@@ -61,7 +61,20 @@ class _ReplicaBeats:
         return len(beats)
 
 
-class MemoryConversationStore(ResponseMethods, _ReplicaBeats):
+class _FindOrBegin:
+    """The lookup and a new conversation's begin: one step here as in the Redis store's one round trip."""
+
+    async def find_or_begin(
+        self, tenant: str, block_hashes: Sequence[bytes], prompt_tokens: int, now: float, new: ConversationKey,
+        limit: int = DEFAULT_MAX_HOLDERS,
+    ) -> tuple[list[Holder], TurnStart | None]:
+        if new.tenant != tenant:
+            raise ValueError("find_or_begin: the new conversation must be the tenant's")
+        holders = await self.find_by_prefix(tenant, block_hashes, prompt_tokens, now, limit)  # type: ignore[attr-defined]
+        return holders, None if holders else await self.begin_turn(new, now)  # type: ignore[attr-defined]
+
+
+class MemoryConversationStore(ResponseMethods, _ReplicaBeats, _FindOrBegin):
     kind = "memory"
 
     def __init__(
@@ -149,6 +162,7 @@ class MemoryConversationStore(ResponseMethods, _ReplicaBeats):
         handle: dict[str, Any] | None,
         handle_expires_at: float,
         now: float,
+        unchanged_blocks: int = 0,   # a hint for stores that send hashes over a wire: the whole record is kept here
     ) -> bool:
         check_key(key)
         record_blob = encode_record(record)

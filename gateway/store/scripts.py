@@ -6,7 +6,11 @@ prefix index together (scripts also reach keys of that slot that they were not h
 conversation or a conversation's old index entry).
 
 Layout of one conversation hash, `pdgw:v2:{tenant}:conv:<session digest>`:
-    record              msgpack Conversation (absent until a turn finishes)
+    record              msgpack Conversation (absent until a turn finishes), its block_hashes in `blocks`
+    blocks, blocks_of   the record's block hashes, and `<turn>:<tag>` of the finish that wrote them (valid while
+                        turn = finished; else the record carries its own, as an earlier script wrote it): a
+                        turn sends only its new blocks' hashes (FINISH_TURN), and a begin naming the tag it
+                        holds them under is not sent them back (store/known.py)
     handle              msgpack engine handle (absent when none, claimed or expired)
     handle_expires_at   wall-clock seconds; the handle is dead at or after it
     started, finished   turn counters: the last turn begun, the last turn whose outcome was stored
@@ -48,50 +52,74 @@ local function file(conv, tenant_prefix, member, digest, expires_at, now, ttl_ms
 end
 """
 
-# KEYS[1] conversation; ARGV: now, inflight_timeout_s, ttl_ms, tenant prefix, session digest.
-# Returns {turn, handle_state, record or nil, handle or nil, handle_expires_at or nil}. Removing the handle in
-# the same script as reading it is what makes a handle single use across every gateway replica; its index
-# entry goes with it, so a lookup never offers a handle that is gone.
-BEGIN_TURN = _UNINDEX + """
-local now = tonumber(ARGV[1])
-local v = redis.call('HMGET', KEYS[1], 'record', 'handle', 'handle_expires_at',
-                     'started', 'finished', 'started_at', 'evicted')
-local started = tonumber(v[4]) or 0
-local finished = tonumber(v[5]) or 0
-local state = 'none'
-local handle = false
-local expires_at = false
-if v[2] then
-  redis.call('HDEL', KEYS[1], 'handle', 'handle_expires_at')
-  unindex(KEYS[1], ARGV[4], ARGV[5])
-  if (tonumber(v[3]) or 0) > now then
-    state = 'claimed'
-    handle = v[2]
-    expires_at = v[3]
-  else
-    state = 'expired'
+# The record's block hashes, kept beside it in `blocks` so a turn sends only its new blocks (FINISH_TURN);
+# valid only when written with the record now stored (`blocks_of` = `<finished>:<the writer's tag>`): a record
+# written without them (by an earlier layout's script) carries its own. `known`: the `blocks_of` the caller
+# holds the hashes of (store/known.py); then 1 ("as you hold them") instead of the bytes.
+_BLOCKS = """
+local function blocks_of(blocks, tag, finished, known)
+  if not blocks or not tag or not finished or string.sub(tag, 1, #finished + 1) ~= finished .. ':' then
+    return false
   end
-elseif started > finished and now - (tonumber(v[6]) or 0) < tonumber(ARGV[2]) then
-  state = 'in_flight'
-elseif v[7] and tonumber(v[7]) == finished and started == finished then
-  state = 'evicted'
+  if known and known == tag then
+    return 1
+  end
+  return blocks
 end
-if v[7] then
-  redis.call('HDEL', KEYS[1], 'evicted')
+"""
+
+# Begin a turn on `conv`: {turn, handle_state, record or nil, handle or nil, handle_expires_at or nil, blocks
+# or nil}. Removing the handle in the same script as reading it is what makes a handle single use across every
+# gateway replica; its index entry goes with it, so a lookup never offers a handle that is gone.
+_BEGIN = _UNINDEX + _BLOCKS + """
+local function begin(conv, now_arg, inflight_timeout_s, ttl_ms, tenant_prefix, member, known)
+  local now = tonumber(now_arg)
+  local v = redis.call('HMGET', conv, 'record', 'handle', 'handle_expires_at',
+                       'started', 'finished', 'started_at', 'evicted', 'blocks', 'blocks_of')
+  local started = tonumber(v[4]) or 0
+  local finished = tonumber(v[5]) or 0
+  local state = 'none'
+  local handle = false
+  local expires_at = false
+  if v[2] then
+    redis.call('HDEL', conv, 'handle', 'handle_expires_at')
+    unindex(conv, tenant_prefix, member)
+    if (tonumber(v[3]) or 0) > now then
+      state = 'claimed'
+      handle = v[2]
+      expires_at = v[3]
+    else
+      state = 'expired'
+    end
+  elseif started > finished and now - (tonumber(v[6]) or 0) < tonumber(inflight_timeout_s) then
+    state = 'in_flight'
+  elseif v[7] and tonumber(v[7]) == finished and started == finished then
+    state = 'evicted'
+  end
+  if v[7] then
+    redis.call('HDEL', conv, 'evicted')
+  end
+  redis.call('HSET', conv, 'started', started + 1, 'started_at', now_arg)
+  redis.call('PEXPIRE', conv, ttl_ms)
+  return {started + 1, state, v[1], handle, expires_at, blocks_of(v[8], v[9], v[5], known)}
 end
-redis.call('HSET', KEYS[1], 'started', started + 1, 'started_at', ARGV[1])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return {started + 1, state, v[1], handle, expires_at}
+"""
+
+# KEYS[1] conversation; ARGV: now, inflight_timeout_s, ttl_ms, tenant prefix, session digest, known blocks tag
+# ('' for none). Returns `begin`'s.
+BEGIN_TURN = _BEGIN + """
+return begin(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6])
 """
 
 # KEYS[1] conversation; ARGV: now, turn (the one whose record the lookup returned), ttl_ms, tenant prefix,
-# session digest. Returns {turn, record, handle, handle_expires_at} having claimed the handle as BEGIN_TURN
-# does, or nil having changed nothing: a conversation that moved on (a newer record), has a turn in flight, or
-# whose handle is claimed or dead is not touched, so a sessionless request can never disturb someone else's
-# turn counters.
-BEGIN_FOUND_TURN = _UNINDEX + """
+# session digest, known blocks tag. Returns {turn, record, handle, handle_expires_at, blocks} having claimed the
+# handle as BEGIN_TURN does, or nil having changed nothing: a conversation that moved on (a newer record), has a
+# turn in flight, or whose handle is claimed or dead is not touched, so a sessionless request can never disturb
+# someone else's turn counters.
+BEGIN_FOUND_TURN = _UNINDEX + _BLOCKS + """
 local turn = tonumber(ARGV[2])
-local v = redis.call('HMGET', KEYS[1], 'record', 'handle', 'handle_expires_at', 'started', 'finished')
+local v = redis.call('HMGET', KEYS[1], 'record', 'handle', 'handle_expires_at', 'started', 'finished',
+                     'blocks', 'blocks_of')
 if not v[1] or not v[2] or tonumber(v[4]) ~= turn or tonumber(v[5]) ~= turn
    or (tonumber(v[3]) or 0) <= tonumber(ARGV[1]) then
   return false
@@ -100,20 +128,34 @@ redis.call('HDEL', KEYS[1], 'handle', 'handle_expires_at')
 unindex(KEYS[1], ARGV[4], ARGV[5])
 redis.call('HSET', KEYS[1], 'started', turn + 1, 'started_at', ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return {turn + 1, v[1], v[2], v[3]}
+return {turn + 1, v[1], v[2], v[3], blocks_of(v[6], v[7], v[5], ARGV[6])}
 """
 
 # KEYS[1] conversation; ARGV: turn, record, handle ('' for none), handle_expires_at, ttl_ms, now,
-# tenant prefix, session digest, session, held_tokens, index hash ('' for none: no live handle to offer).
-# Returns 1 if stored, 0 if a newer turn began (or this one already finished): nothing changed then.
+# tenant prefix, session digest, session, held_tokens, index hash ('' for none: no live handle to offer),
+# kept (bytes of the stored block hashes the record keeps), seam (the last 16 of those kept bytes, '' when none
+# are kept), the record's block hashes after the kept ones, the writer's tag for them (store/known.py).
+# Returns 1 if stored, 0 if a newer turn began (or this one already finished): nothing changed then; 2 (nothing
+# changed either) when the stored block hashes do not end the kept bytes with `seam`: send them all (kept 0).
+# Chained hashes: an equal seam means equal hashes before it, so the stored blocks are the record's exactly.
 # The index moves in the same script as the record, so no lookup ever sees one without the other.
-FINISH_TURN = _UNINDEX + _FILE + """
+FINISH_TURN = _UNINDEX + _FILE + _BLOCKS + """
 local turn = tonumber(ARGV[1])
-local v = redis.call('HMGET', KEYS[1], 'started', 'finished')
+local v = redis.call('HMGET', KEYS[1], 'started', 'finished', 'blocks', 'blocks_of')
 if tonumber(v[1]) ~= turn or (tonumber(v[2]) or 0) >= turn then
   return 0
 end
-redis.call('HSET', KEYS[1], 'record', ARGV[2], 'finished', ARGV[1], 'session', ARGV[9], 'held', ARGV[10])
+local kept = tonumber(ARGV[12])
+local blocks = ARGV[14]
+if kept > 0 then
+  local old = blocks_of(v[3], v[4], v[2], false)
+  if not old or #old < kept or string.sub(old, kept - 15, kept) ~= ARGV[13] then
+    return 2
+  end
+  blocks = string.sub(old, 1, kept) .. blocks
+end
+redis.call('HSET', KEYS[1], 'record', ARGV[2], 'finished', ARGV[1], 'session', ARGV[9], 'held', ARGV[10],
+           'blocks', blocks, 'blocks_of', ARGV[1] .. ':' .. ARGV[15])
 redis.call('HDEL', KEYS[1], 'evicted')
 if ARGV[3] ~= '' then
   redis.call('HSET', KEYS[1], 'handle', ARGV[3], 'handle_expires_at', ARGV[4])
@@ -165,31 +207,50 @@ end
 return false
 """
 
-# KEYS[1] the tenant's index prefix (routing only: it names the slot); ARGV: now, limit, prompt tokens,
-# tenant prefix, then the prompt's chained block hashes, first block first. Read-only.
-# Returns up to `limit` holders, longest prefix first, each {blocks, session, finished, started, record,
-# handle_expires_at or nil}. A prefix whose holders are all dead, gone or longer than the prompt does not
-# stop the walk: a shorter prefix may still hold a conversation this prompt extends.
-FIND_BY_PREFIX = """
-local limit = tonumber(ARGV[2])
-local tokens = tonumber(ARGV[3])
-local prefix = ARGV[4]
-local out = {}
-for i = #ARGV, 5, -1 do
-  local members = redis.call('ZRANGEBYSCORE', prefix .. 'pfx:' .. ARGV[i], '(' .. ARGV[1], '+inf',
-                             'LIMIT', 0, limit)
-  for _, member in ipairs(members) do
-    local v = redis.call('HMGET', prefix .. 'conv:' .. member, 'record', 'session', 'held', 'finished',
-                         'started', 'handle', 'handle_expires_at')
-    if v[1] and v[2] and (tonumber(v[3]) or 0) <= tokens then
-      out[#out + 1] = {i - 4, v[2], v[4] or '0', v[5] or '0', v[1], v[6] and v[7] or false}
-      if #out >= limit then
-        return out
+# The tenant's holders at the prompt's chained block hashes ARGV[first..], read-only: up to `limit`, longest
+# prefix first, each {blocks, session, finished, started, record, handle_expires_at or nil, blocks or nil}. A
+# prefix whose holders are all dead, gone or longer than the prompt does not stop the walk: a shorter prefix
+# may still hold a conversation this prompt extends. Needs _BLOCKS before it.
+_FIND = """
+local function find(now, limit_arg, tokens_arg, prefix, first)
+  local limit = tonumber(limit_arg)
+  local tokens = tonumber(tokens_arg)
+  local out = {}
+  for i = #ARGV, first, -1 do
+    local members = redis.call('ZRANGEBYSCORE', prefix .. 'pfx:' .. ARGV[i], '(' .. now, '+inf',
+                               'LIMIT', 0, limit)
+    for _, member in ipairs(members) do
+      local v = redis.call('HMGET', prefix .. 'conv:' .. member, 'record', 'session', 'held', 'finished',
+                           'started', 'handle', 'handle_expires_at', 'blocks', 'blocks_of')
+      if v[1] and v[2] and (tonumber(v[3]) or 0) <= tokens then
+        out[#out + 1] = {i - first + 1, v[2], v[4] or '0', v[5] or '0', v[1], v[6] and v[7] or false,
+                         blocks_of(v[8], v[9], v[4], false)}
+        if #out >= limit then
+          return out
+        end
       end
     end
   end
+  return out
 end
-return out
+"""
+
+# KEYS[1] the tenant's index prefix (routing only: it names the slot); ARGV: now, limit, prompt tokens,
+# tenant prefix, then the prompt's chained block hashes, first block first. Returns `find`'s holders.
+FIND_BY_PREFIX = _BLOCKS + _FIND + """
+return find(ARGV[1], ARGV[2], ARGV[3], ARGV[4], 5)
+"""
+
+# KEYS[1] the tenant's index prefix, KEYS[2] a new conversation (same tenant: same slot); ARGV: now, limit,
+# prompt tokens, tenant prefix, inflight_timeout_s, ttl_ms, the new conversation's session digest, then the
+# prompt's block hashes. A sessionless turn's lookup and, when it finds no holder at all, its new
+# conversation's begin, in one round trip: {holders} or {{}, `begin`'s reply}.
+FIND_OR_BEGIN = _BEGIN + _FIND + """
+local out = find(ARGV[1], ARGV[2], ARGV[3], ARGV[4], 8)
+if #out > 0 then
+  return {out}
+end
+return {out, begin(KEYS[2], ARGV[1], ARGV[5], ARGV[6], ARGV[4], ARGV[7], false)}
 """
 
 # KEYS[1] conversation; ARGV: turn, now, tenant prefix, session digest. Takes the handle only if `turn` stored it and no later turn began

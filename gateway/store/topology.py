@@ -23,7 +23,8 @@ SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster")
 DEFAULT_SENTINEL_PORT = 26379
 
 
-def client(url: str, *, connect_timeout_s: float, op_timeout_s: float) -> aioredis.Redis | RedisCluster:
+def client(url: str, *, connect_timeout_s: float,
+           op_timeout_s: float | None) -> aioredis.Redis | RedisCluster:
     parts = urlsplit(url)
     # Never retried: a retried begin_turn whose first reply was lost would claim a handle twice.
     common: dict[str, Any] = {"socket_connect_timeout": connect_timeout_s, "socket_timeout": op_timeout_s,

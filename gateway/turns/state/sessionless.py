@@ -1,7 +1,7 @@
 """The start of a turn without a session id: find its conversation by its tokens, claim it, or start anew.
 
-One prefix lookup (one store round trip), then a claim of the first holder `lookup.claimable` keeps. The
-claim (`begin_found_turn`) succeeds only if that conversation is still exactly as the lookup saw it, and
+One prefix lookup (one store round trip, which also begins the new conversation when it finds nobody), then a
+claim of the first holder `lookup.claimable` keeps. The claim (`begin_found_turn`) succeeds only if that conversation is still exactly as the lookup saw it, and
 claims the handle at most once across every replica; a claim that loses a race (another sessionless turn of
 an identical conversation, or the holder's own next turn) changes nothing, and the next holder is tried (if
 a whole page of holders was lost, one more lookup fetches the next page: the claimed ones have left the index).
@@ -16,7 +16,7 @@ round trip (the sessionless turn's extra cost over a session turn, bench/README.
 from __future__ import annotations
 
 import secrets
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -52,6 +52,7 @@ class RecentHolders:
         self.max_entries = max_entries
         self._by_hash: OrderedDict[tuple[str, bytes], tuple[ConversationKey, int, Conversation]] = OrderedDict()
         self._hash_of: dict[ConversationKey, bytes] = {}
+        self._at: dict[str, Counter[int]] = {}   # per tenant: how many entries are filed at each block count
 
     def stored(self, key: ConversationKey, turn: int, record: Conversation) -> None:
         """Turn `turn` stored `record` with a live handle under `key` (and the store indexed it)."""
@@ -59,21 +60,40 @@ class RecentHolders:
         digest = index_hash(record)
         if digest is None or self.max_entries <= 0:
             return
+        replaced = self._by_hash.pop((key.tenant, digest), None)
+        if replaced is not None:          # another conversation filed at the same hash: this one is the hint now
+            self._hash_of.pop(replaced[0], None)
+            self._unfiled(key.tenant, replaced[2])
         self._by_hash[(key.tenant, digest)] = (key, turn, record)
         self._hash_of[key] = digest
+        self._at.setdefault(key.tenant, Counter())[record.held_tokens // record.block_size] += 1
         while len(self._by_hash) > self.max_entries:
-            (_, _), (old, _, _) = self._by_hash.popitem(last=False)
+            (tenant, _), (old, _, old_record) = self._by_hash.popitem(last=False)
             self._hash_of.pop(old, None)
+            self._unfiled(tenant, old_record)
 
     def drop(self, key: ConversationKey) -> None:
         digest = self._hash_of.pop(key, None)
         if digest is not None:
-            self._by_hash.pop((key.tenant, digest), None)
+            entry = self._by_hash.pop((key.tenant, digest), None)
+            if entry is not None:
+                self._unfiled(key.tenant, entry[2])
+
+    def _unfiled(self, tenant: str, record: Conversation) -> None:
+        at = self._at[tenant]
+        blocks = record.held_tokens // record.block_size
+        at[blocks] -= 1
+        if at[blocks] <= 0:
+            del at[blocks]
 
     def holders(self, tenant: str, hashes: Sequence[bytes], prompt_tokens: int) -> list[Holder]:
         """Remembered holders at the prompt's block hashes, longest prefix first (the store's order)."""
         out = []
-        for blocks in range(len(hashes), 0, -1):
+        at = self._at.get(tenant, {})
+        # Only where an entry is filed: a 32k-token prompt has 2,000 block hashes, a tenant's entries few lengths.
+        positions = sorted((b for b in at if b <= len(hashes)), reverse=True) if len(at) < len(hashes) \
+            else range(len(hashes), 0, -1)
+        for blocks in positions:
             entry = self._by_hash.get((tenant, hashes[blocks - 1]))
             if entry is not None and entry[2].held_tokens <= prompt_tokens:
                 out.append(Holder(entry[0], entry[1], blocks, entry[2], "idle"))
@@ -97,14 +117,20 @@ async def begin_sessionless(store: ConversationStore, tenant: str, prompt_ids: l
                 start = await store.begin_found_turn(holder.key, holder.turn, now)
                 if start is not None:
                     return Found(How.PREFIX, holder.key, start)
+        key = ConversationKey(tenant, new_session())
         for _ in range(LOOKUPS):
-            holders = await store.find_by_prefix(tenant, hashes, len(prompt_ids), now, DEFAULT_MAX_HOLDERS)
+            # A lookup that finds nobody has begun the new conversation too: one round trip for a first turn.
+            holders, start = await store.find_or_begin(tenant, hashes, len(prompt_ids), now, key,
+                                                       DEFAULT_MAX_HOLDERS)
+            if start is not None:
+                return Found(How.NEW, key, start)
             for holder in claimable(prompt_ids, model, holders, decode_ok):
                 start = await store.begin_found_turn(holder.key, holder.turn, now)
                 if start is not None:
                     return Found(How.PREFIX, holder.key, start)
             if len(holders) < DEFAULT_MAX_HOLDERS:
                 break          # that was every holder there is
+        return Found(How.NEW, key, await store.begin_turn(key, now))
     key = ConversationKey(tenant, new_session())
     return Found(How.NEW, key, await store.begin_turn(key, now))
 

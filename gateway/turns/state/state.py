@@ -21,7 +21,7 @@ from gateway.turns.intake.render import Renderer
 from gateway.turns.intake.request import TurnRequest
 from gateway.turns.legs.capture import DecodeCapture
 from gateway.turns.legs.release import HandleReleaser
-from gateway.turns.reuse.continuity import Fingerprint, held_fingerprint
+from gateway.turns.reuse.continuity import HASH_BYTES, Fingerprint, held_fingerprint
 from gateway.turns.reuse.lookup import How
 from gateway.turns.reuse.plan import Claim, Plan, Reason
 from gateway.turns.state.ahead import ClaimAhead, PutBacks
@@ -131,7 +131,7 @@ class ConversationState:
             updated_at=now)
         try:
             stored = await timed(self.metrics, "finish_turn", self.store.finish_turn(
-                session, start.turn, record, kv.stored(handle), expires_at, now))
+                session, start.turn, record, kv.stored(handle), expires_at, now, _unchanged(previous, record)))
         except StoreUnavailableError:
             stored = False
         if handle and not stored:
@@ -153,7 +153,8 @@ class ConversationState:
         record = msgspec.structs.replace(start.record, handle_note=note) if start.record else \
             Conversation(model=req.model, block_size=self.block_size, handle_note=note)
         try:
-            await self.store.finish_turn(session, start.turn, record, None, 0.0, time.time())
+            await self.store.finish_turn(session, start.turn, record, None, 0.0, time.time(),
+                                         _unchanged(start.record, record))
         except StoreUnavailableError:
             pass
 
@@ -182,6 +183,23 @@ def fingerprint(record: Conversation | None) -> Fingerprint | None:
     if record is None:
         return None
     return Fingerprint(record.block_size, record.held_tokens, record.block_hashes, record.prefix_hash)
+
+
+def _unchanged(previous: Conversation | None, record: Conversation) -> int:
+    """How many leading block hashes `record` shares with the record its turn began on (the blocks the
+    continuity check verified keep their hashes): the store then sends only the rest (a 32k-token history's are
+    32 KB, the turn's new blocks a few hundred bytes)."""
+    if previous is None or previous.block_size != record.block_size:
+        return 0
+    old, new = previous.block_hashes, record.block_hashes
+    low, high = 0, min(len(old), len(new)) // HASH_BYTES
+    while low < high:   # the longest equal prefix, by bisection (a memory compare of a few KB each step)
+        mid = (low + high + 1) // 2
+        if old[:mid * HASH_BYTES] == new[:mid * HASH_BYTES]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 def _missing_reason(record: Conversation) -> Reason:
