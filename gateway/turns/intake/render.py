@@ -30,6 +30,7 @@ from gateway.turns.intake.generated import answer, substitutions, text_of, tool_
 from gateway.turns.intake.messages import each
 from gateway.turns.intake.pieces import DEFAULT_CACHE_TOKENS, PieceEncoder, TokenIds, exact_specials
 from gateway.turns.intake.prompts import DEFAULT_PREFIX_BYTES, Lineage, PromptEncoder
+from gateway.turns.intake.template import DirectTemplate
 from gateway.turns.intake.tools import template_calls
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -67,6 +68,8 @@ class Renderer:
         self._decoded = _Decoded(self.decode)
         self.vocab_size = len(self.tokenizer)
         self.special_ids = set(self.tokenizer.all_special_ids)
+        self.direct = DirectTemplate(self.tokenizer, normalize_message)
+        self.direct.verify(PROBES)
 
     def _piece_encoder(self, cache_tokens: int) -> PieceEncoder | None:
         specials = exact_specials(dict(getattr(self.tokenizer, "added_tokens_decoder", {}) or {}))
@@ -139,6 +142,10 @@ class Renderer:
     def template(self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None,
                  add_generation_prompt: bool = True, continue_final_message: bool = False,
                  chat_template_kwargs: dict[str, Any] | None = None) -> str:
+        text = self.direct.render(messages, tools, add_generation_prompt, continue_final_message,
+                                  chat_template_kwargs)
+        if text is not None:
+            return text
         try:
             return self.tokenizer.apply_chat_template(
                 each(messages, "template", normalize_message), tools=tools, tokenize=False,
@@ -169,6 +176,28 @@ class Renderer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "A probe.", "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
+_PROBE_CHAT = [
+    {"role": "system", "content": "You are a probe.", "name": None},
+    {"role": "user", "content": [{"type": "text", "text": "Probe"}, {"type": "text", "text": "me."}]},
+    {"role": "assistant", "content": "Thinking done.", "reasoning_content": "Let me see.", "tool_calls": None},
+    {"role": "user", "content": "Call it."},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "probe", "arguments": '{"x": 1}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "1"},
+    {"role": "user", "content": "ünïcödé 🙂 <think>x</think>"},
+]
+# What the direct render is checked on at start-up (template.py): None values, content parts, reasoning, tool
+# calls and results, with and without tools and kwargs, with and without the generation prompt.
+PROBES = [
+    {"messages": _PROBE_CHAT[:2]},
+    {"messages": _PROBE_CHAT[:4], "add_generation_prompt": False},
+    {"messages": _PROBE_CHAT, "tools": [_PROBE_TOOL]},
+    {"messages": _PROBE_CHAT, "kwargs": {"enable_thinking": False}},
+]
 
 
 def normalize_message(message: dict[str, Any]) -> dict[str, Any]:
