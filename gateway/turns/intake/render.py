@@ -37,6 +37,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # The gateway encodes on its event loop: a thread pool would only wait for cores the engines and the loop need
 # (and spin while it waits, which costs CPU). Measured: pooled batch encodes of two short pieces took 1-20 ms.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+_SERIAL = os.environ["TOKENIZERS_PARALLELISM"].strip().lower() in ("", "off", "false", "f", "no", "n", "0")
 
 from transformers import AutoTokenizer  # noqa: E402  (after the verbosity setting)
 
@@ -95,6 +96,9 @@ class Renderer:
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is None or backend.truncation is not None or backend.padding is not None:
             return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        if _SERIAL and hasattr(backend, "encode_batch_fast"):
+            # one call for all, no offsets computed (about 20 % less per piece); serial with parallelism off
+            return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
         return [backend.encode(text, add_special_tokens=False).ids for text in texts]
 
     def _encode_whole(self, text: str) -> list[int]:
