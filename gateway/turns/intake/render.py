@@ -17,6 +17,7 @@ the template (`messages.py`).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from collections import OrderedDict
@@ -44,6 +45,7 @@ from transformers import AutoTokenizer  # noqa: E402  (after the verbosity setti
 DEFAULT_DECODED_TOKENS = 1_000_000      # answers' ids kept with their decoded text (tool-call answers)
 BUILTIN_DIR = Path(__file__).resolve().parents[2] / "tokenizers"
 log = logging.getLogger(__name__)
+_RENDERERS = itertools.count()
 
 
 def tokenizer_path(spec: str) -> str:
@@ -70,6 +72,7 @@ class Renderer:
         self.vocab_size = len(self.tokenizer)
         self.special_ids = set(self.tokenizer.all_special_ids)
         self.direct = DirectTemplate(self.tokenizer, normalize_message)
+        self._splits_memo = f"splits#{next(_RENDERERS)}"     # this tokenizer's, with each message (generated.py)
         self.direct.verify(PROBES)
 
     def _piece_encoder(self, cache_tokens: int) -> PieceEncoder | None:
@@ -128,7 +131,7 @@ class Renderer:
         difference from the plain rendering: a template that rewrites past answers, or renders other messages
         differently once an assistant message has no tool_calls, keeps the plain rendering."""
         assert self.prompts is not None
-        generated = substitutions(messages, answers, self._decoded, self._splits)
+        generated = substitutions(messages, answers, self._decoded, self._splits, self._splits_memo)
         if generated:
             try:
                 swapped = self.template(generated.messages, **template)
