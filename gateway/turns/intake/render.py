@@ -1,6 +1,8 @@
 """Prompt rendering: the model's tokenizer and chat template (transformers) → the token ids the engine sees.
 
-The only module that imports transformers. Rendering follows vLLM: template to text, then encode without
+The only module that imports transformers, with template.py (which renders the chat template through
+transformers' compiled template, as apply_chat_template does, without its per-call conversion of every message;
+apply_chat_template itself for anything unusual). Rendering follows vLLM: template to text, then encode without
 adding special tokens (the template carries them); completions prompts are encoded with them.
 
 Encoding is incremental where that is exact: the rendered text is cut at the tokenizer's special tokens and
