@@ -44,6 +44,11 @@ _SERIAL = os.environ["TOKENIZERS_PARALLELISM"].strip().lower() in ("", "off", "f
 
 from transformers import AutoTokenizer  # noqa: E402  (after the verbosity setting)
 
+try:       # private to transformers: what the direct render (template.py) compiles and aliases as it does
+    from transformers.utils.chat_template_utils import _REASONING_FIELDS, _compile_jinja_template  # noqa: E402
+except ImportError:                      # pragma: no cover  (then apply_chat_template renders every turn)
+    _compile_jinja_template, _REASONING_FIELDS = None, ()
+
 DEFAULT_DECODED_TOKENS = 1_000_000      # answers' ids kept with their decoded text (tool-call answers)
 BUILTIN_DIR = Path(__file__).resolve().parents[2] / "tokenizers"
 log = logging.getLogger(__name__)
@@ -73,7 +78,8 @@ class Renderer:
         self._decoded = _Decoded(self.decode)
         self.vocab_size = len(self.tokenizer)
         self.special_ids = set(self.tokenizer.all_special_ids)
-        self.direct = DirectTemplate(self.tokenizer, normalize_message)
+        self.direct = DirectTemplate(self.tokenizer, normalize_message, _compile_jinja_template,
+                                     tuple(_REASONING_FIELDS))
         self._splits_memo = f"splits#{next(_RENDERERS)}"     # this tokenizer's, with each message (generated.py)
         self.direct.verify(PROBES)
 

@@ -5,9 +5,9 @@ transformers 5.x converts the whole conversation on every call before rendering 
 keys with a None value dropped, everything rebuilt from plain JSON types for the sandbox, reasoning fields
 aliased): that is most of a render's cost, and it grows with the number of messages. Here each message's form
 for the template is made once, when the message is first seen (kept with it: messages.py), by the same steps,
-and only the render runs per turn, with the same compiled template (transformers' own, its environment,
-filters and globals) and the same arguments. Sharing the forms between renders is safe: the template runs in
-Jinja's immutable sandbox, which cannot change a list or dict it is given.
+and only the render runs per turn, with the same compiled template (transformers' own, handed over by render.py:
+its environment, filters and globals) and the same arguments. Sharing the forms between renders is safe: the
+template runs in Jinja's immutable sandbox, which cannot change a list or dict it is given.
 
 Only the plain case: a single template string, no `continue_final_message`, messages, tools and kwargs of
 exact JSON types, no kwarg that apply_chat_template would take as its own parameter. Anything else, and any
@@ -27,15 +27,10 @@ from gateway.turns.intake.messages import each
 
 log = logging.getLogger(__name__)
 
-try:                                            # private to transformers: without it, apply_chat_template always
-    from transformers.utils.chat_template_utils import _REASONING_FIELDS, _compile_jinja_template
-except ImportError:                             # pragma: no cover
-    _compile_jinja_template = None
-    _REASONING_FIELDS = ()
-
 _SCALARS = frozenset({str, int, float, bool, type(None)})
 _NOT_PLAIN = object()                           # a message's memo: it needs apply_chat_template
 Normalize = Callable[[dict[str, Any]], dict[str, Any]]
+Compile = Callable[[str], Any]
 
 
 def plain(value: Any) -> bool:
@@ -50,13 +45,13 @@ def plain(value: Any) -> bool:
     return False
 
 
-def template_form(message: dict[str, Any], normalize: Normalize) -> Any:
+def template_form(message: dict[str, Any], normalize: Normalize, reasoning_fields: tuple[str, ...]) -> Any:
     """A message as the template sees it: the gateway's normalization (vLLM's), then transformers': keys whose
     value is None dropped, the reasoning copied under its other names. `_NOT_PLAIN` when it is not plain JSON."""
     form = {k: v for k, v in normalize(message).items() if v is not None}
     if not plain(form):
         return _NOT_PLAIN
-    reasoning = next((form[k] for k in _REASONING_FIELDS if form.get(k) is not None), None)
+    reasoning = next((form[k] for k in reasoning_fields if form.get(k) is not None), None)
     if reasoning is not None:
         form = {"thinking": reasoning, **form, "reasoning_content": reasoning}
     return form
@@ -65,21 +60,25 @@ def template_form(message: dict[str, Any], normalize: Normalize) -> Any:
 class DirectTemplate:
     """`render(...)` the text apply_chat_template would give, or None where only apply_chat_template may say."""
 
-    def __init__(self, tokenizer: Any, normalize: Normalize) -> None:
+    def __init__(self, tokenizer: Any, normalize: Normalize, compile_template: Compile | None,
+                 reasoning_fields: tuple[str, ...] = ()) -> None:
+        """`compile_template`, `reasoning_fields`: transformers' own (render.py imports them; None: not found in
+        this version, every render goes through apply_chat_template)."""
         self.tokenizer, self.normalize = tokenizer, normalize
+        self._compile, self._reasoning = compile_template, reasoning_fields
         self._source: str | None = None
         self._compiled: Any = None
         # kwargs apply_chat_template would bind to its own parameters, or pass twice to the render
         self._reserved = frozenset(inspect.signature(type(tokenizer).apply_chat_template).parameters) | {
             "messages", "conversations", "tools", "documents", "add_generation_prompt"}
-        self.enabled = _compile_jinja_template is not None
+        self.enabled = compile_template is not None
 
     def _template(self) -> Any:
         source = self.tokenizer.chat_template
         if not isinstance(source, str):
             return None
         if source is not self._source:
-            self._compiled, self._source = _compile_jinja_template(source), source
+            self._compiled, self._source = self._compile(source), source
         return self._compiled
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool,
@@ -94,8 +93,8 @@ class DirectTemplate:
         if tools is not None and (type(tools) is not list or not all(type(t) is dict for t in tools)
                                   or not plain(tools)):
             return None
-        normalize = self.normalize
-        forms = each(messages, "template_form", lambda m: template_form(m, normalize))
+        normalize, reasoning = self.normalize, self._reasoning
+        forms = each(messages, "template_form", lambda m: template_form(m, normalize, reasoning))
         if any(f is _NOT_PLAIN for f in forms):
             return None
         try:
