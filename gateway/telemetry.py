@@ -11,7 +11,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import Counter as _Counter
+from prometheus_client import Gauge as _Gauge
+from prometheus_client import Histogram as _Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
@@ -19,6 +22,49 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 # The gateway's own time per turn is sub-millisecond when all is well: fine buckets there, coarse above.
 GATEWAY_BUCKETS = (0.00005, 0.0001, 0.00015, 0.0002, 0.0003, 0.0004, 0.0005, 0.0006, 0.0008, 0.001, 0.0015,
                    0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.5)
+
+
+class _CachedLabels:
+    """`labels(...)` answered from a dict of the children already made, by the values as passed: the library's own
+    lookup (argument checks, a str() per value, a lock) costs about 2 us, and a turn makes some ten of them.
+    Only values that are their own str() are kept (str, StrEnum), so a hit is the child the library would give;
+    any removal empties the cache."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._children: dict[tuple[object, ...], Any] = {}
+        super().__init__(*args, **kwargs)
+
+    def labels(self, *values: object, **by_name: object) -> Any:
+        child = self._children.get(values) if values and not by_name else None
+        if child is None:
+            child = super().labels(*values, **by_name)  # type: ignore[misc]
+            if values and all(isinstance(v, str) and str(v) == v for v in values):
+                self._children[values] = child
+        return child
+
+    def remove(self, *values: Any) -> None:
+        self._children = {}
+        super().remove(*values)  # type: ignore[misc]
+
+    def remove_by_labels(self, labels: dict[str, str]) -> None:
+        self._children = {}
+        super().remove_by_labels(labels)  # type: ignore[misc]
+
+    def clear(self) -> None:
+        self._children = {}
+        super().clear()  # type: ignore[misc]
+
+
+class Counter(_CachedLabels, _Counter):
+    pass
+
+
+class Gauge(_CachedLabels, _Gauge):
+    pass
+
+
+class Histogram(_CachedLabels, _Histogram):
+    pass
 
 
 class Metrics:

@@ -99,3 +99,26 @@ def test_an_answer_holding_an_added_token_is_spliced_whole():
     spliced = r.render_chat(messages, answers=[kept])
     header = r.render_chat(MESSAGES[:1])
     assert spliced[:len(header) + len(split)] == header + split   # the next prompt extends what D holds
+
+
+def test_whether_an_answer_splits_is_kept_per_tokenizer():
+    """Parsed messages keep whether a past answer splits into pieces (generated.py), under a name of each
+    renderer's own: a token of one tokenizer is plain text to another, and the message cache is shared."""
+    import msgspec
+
+    from gateway.api.schemas import ChatRequest, parse
+    from gateway.turns.intake.messages import MessageCache
+    from tests.unit.test_render_incremental import TOKENIZERS
+
+    demo, deepseek = Renderer("builtin:demo"), Renderer(*TOKENIZERS["deepseek"]())
+    assert demo._splits_memo != deepseek._splits_memo
+    text = "General <tool_response> Kenobi"            # <tool_response>: a token of demo's, text to deepseek
+    messages = [*MESSAGES[:1], {"role": "assistant", "content": text}, *MESSAGES[2:]]
+    cache = MessageCache()
+    for r in (demo, deepseek, demo):
+        body, _ = parse(msgspec.json.encode({"messages": messages}), ChatRequest, cache=cache)
+        split = r.tokenizer.encode(text, add_special_tokens=False)
+        kept = r.answer(split, text)
+        fresh = Renderer(*(("builtin:demo", None) if r is demo else TOKENIZERS["deepseek"]()))
+        assert list(r.render_chat(body["messages"], answers=[kept])) == \
+            list(fresh.render_chat(messages, answers=[fresh.answer(split, text)]))

@@ -112,16 +112,20 @@ class Substitutions:
 
 
 def substitutions(messages: list[dict[str, Any]], answers: list[Answer], decode: Callable[[list[int]], str],
-                  splits: Callable[[str], bool] = lambda text: False) -> Substitutions | None:
+                  splits: Callable[[str], bool] = lambda text: False,
+                  splits_memo: str | None = None) -> Substitutions | None:
     """Assistant messages whose content and tool calls are a kept answer's, as plain messages with D's text; and
-    kept plain answers whose text `splits` into several pieces, as they are, each a span of D's ids."""
+    kept plain answers whose text `splits` into several pieces, as they are, each a span of D's ids.
+    `splits_memo`: the name `splits`' answer is kept under with each message (one per tokenizer: it depends on
+    its special tokens), so a turn does not cut every past answer again; None: not kept."""
     kept = {(a.chars, a.text_hash): a.ids for a in answers}
     out, spans = [], []
     for i, message in enumerate(messages):
         ids, content = None, message.get("content")
         if message.get("role") == "assistant" and message.get("tool_calls"):
             ids = kept.get(memo(messages, i, "calls_key", lambda: _key(message)))
-        elif message.get("role") == "assistant" and isinstance(content, str) and content and splits(content):
+        elif message.get("role") == "assistant" and isinstance(content, str) and content and (
+                splits(content) if splits_memo is None else memo(messages, i, splits_memo, lambda: splits(content))):
             if (ids := kept.get((len(content), text_hash(content)))) is not None:
                 out.append(message)
                 spans.append((content, ids))
