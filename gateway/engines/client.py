@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import aiohttp
@@ -33,27 +33,20 @@ def _nothing() -> None:
 
 
 class EngineStream:
-    """An open streamed D response: iterate SSE payloads; always `close()` (closing aborts the request on D)."""
+    """An open streamed D response: iterate SSE payloads; always `close()` (closing aborts the request on D).
+
+    D's idle deadline is one watchdog timer per stream, not a timeout scope per read: a read marks when it began
+    waiting, and the watchdog, waking once per idle period, fails the read that has waited that long."""
 
     def __init__(self, response: aiohttp.ClientResponse, idle_timeout_s: float) -> None:
         self._response = response
+        self._content = response.content
         self._idle = idle_timeout_s
-        self._reads = self._chunks()
         self._splitter = sse.EventSplitter()
         self._pending: list[bytes] = []
-
-    async def _chunks(self) -> AsyncIterator[bytes]:
-        while True:
-            try:
-                async with asyncio.timeout(self._idle):
-                    chunk = await self._response.content.readany()
-            except TimeoutError:
-                raise EngineTimeoutError("decode engine stalled mid-stream") from None
-            except aiohttp.ClientError as exc:
-                raise EngineFailedError("decode engine broke the stream") from exc
-            if not chunk:
-                return
-            yield chunk
+        self._loop = asyncio.get_running_loop()
+        self._waiting_since: float | None = None     # when the read in progress began waiting for D
+        self._watchdog: asyncio.TimerHandle | None = None
 
     async def next_events(self) -> list[bytes] | None:
         """Every event that came with the next read (at least one): relaying them together costs one write
@@ -61,10 +54,29 @@ class EngineStream:
         if self._pending:
             events, self._pending = self._pending, []
             return events
-        async for chunk in self._reads:
+        if self._watchdog is None:
+            self._watchdog = self._loop.call_later(self._idle, self._watch)
+        while True:
+            self._waiting_since = self._loop.time()
+            try:
+                chunk = await self._content.readany()
+            except aiohttp.ClientError as exc:
+                raise EngineFailedError("decode engine broke the stream") from exc
+            finally:
+                self._waiting_since = None
+            if not chunk:
+                return None
             if events := self._splitter.feed(chunk):
                 return events
-        return None
+
+    def _watch(self) -> None:
+        """The watchdog: fail a read that has waited `idle` for D, else look again when one could have."""
+        since, now = self._waiting_since, self._loop.time()
+        if since is not None and now - since >= self._idle:
+            self._watchdog = None
+            self._content.set_exception(EngineTimeoutError("decode engine stalled mid-stream"))
+            return
+        self._watchdog = self._loop.call_at((since if since is not None else now) + self._idle, self._watch)
 
     async def first_events(self, timeout_s: float) -> list[bytes]:
         """Wait up to `timeout_s` (not the idle timeout) for the stream's first events, kept for `next_events`.
@@ -84,6 +96,9 @@ class EngineStream:
         return list(self._pending)
 
     def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         self._response.close()
 
 

@@ -22,6 +22,7 @@ from gateway.turns.legs.calls import EngineCalls
 from gateway.turns.legs import chunks
 from gateway.turns.legs.capture import DecodeCapture
 from gateway.turns.legs.restream import restream
+from gateway.turns.intake.request import TurnRequest
 from gateway.turns.outcome import TurnOutcome
 from gateway.turns.reuse.plan import Reason
 from gateway.turns.reuse.rates import DecodeTiming, Rates
@@ -101,23 +102,18 @@ class DecodeLeg:
         turn.decode.outstanding_requests += 1
         turn.decode.running_kv_tokens += len(turn.req.prompt_ids)
         try:
-            done = False
-            while not done and (events := await stream.next_events()) is not None:
+            while (events := await stream.next_events()) is not None:
                 if first:
                     turn.req.clock.decode_in()
                     self.outcome.release_held_back(turn)
                     self.outcome.observe("decode_ttft", began)
                     self._learn(turn, time.perf_counter() - sent)
                     first = False
-                frames = []                  # the events of one read go out in one write
-                for event in events:
-                    if event == sse.DONE:
-                        done = True
-                        break
-                    frames.append(sse.frame(chunks.relay(capture, event, turn.req.want_token_ids,
-                                                         turn.req.decode_answer)))
-                if frames:
-                    yield b"".join(frames)
+                out, done = _frames(capture, events, turn.req)       # the events of one read go out in one write
+                if out:
+                    yield out
+                if done:
+                    break
             if not capture.handle and capture.finished and not turn.plan.push:     # push: D never returns one
                 self.metrics.handles_missing.labels(Reason.HANDLE_NOT_STREAMED.value).inc()
             await self.outcome.record(turn, capture)
@@ -146,6 +142,21 @@ class DecodeLeg:
         if turn.plan.local:
             prefill_rate = self.rates.any_prefill_rate()
         self.rates.observe_decode(DecodeTiming(turn.decode.url, turn.plan.local, computed, seconds), prefill_rate)
+
+
+def _frames(capture: DecodeCapture, events: list[bytes], req: TurnRequest) -> tuple[bytes, bool]:
+    """The client's bytes for the events of one read, up to `[DONE]` (and whether it came)."""
+    if len(events) == 1:                 # nearly every read: one token, nothing to join
+        event = events[0]
+        if event == sse.DONE:
+            return b"", True
+        return sse.frame(chunks.relay(capture, event, req.want_token_ids, req.decode_answer)), False
+    frames = []
+    for event in events:
+        if event == sse.DONE:
+            return b"".join(frames), True
+        frames.append(sse.frame(chunks.relay(capture, event, req.want_token_ids, req.decode_answer)))
+    return b"".join(frames), False
 
 
 async def _shielded(coro: Awaitable[None]) -> None:
