@@ -32,14 +32,11 @@ class EventStream:
         gone = asyncio.Event()
         listener = asyncio.create_task(_cancel_when_gone(receive, relay, gone))
         try:
-            frames = self._frames
-            async for frame in frames:     # the first frame, then the rest without asking after it per frame
+            async for frame in self._frames:
                 await send({"type": "http.response.body", "body": frame, "more_body": True})
                 if self._on_first_frame is not None:
                     self._on_first_frame()
-                break
-            async for frame in frames:
-                await send({"type": "http.response.body", "body": frame, "more_body": True})
+                    self._on_first_frame = None
             listener.cancel()              # the server reports a completed response as a disconnect too
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:

@@ -146,11 +146,6 @@ class DecodeLeg:
 
 def _frames(capture: DecodeCapture, events: list[bytes], req: TurnRequest) -> tuple[bytes, bool]:
     """The client's bytes for the events of one read, up to `[DONE]` (and whether it came)."""
-    if len(events) == 1:                 # nearly every read: one token, nothing to join
-        event = events[0]
-        if event == sse.DONE:
-            return b"", True
-        return sse.frame(chunks.relay(capture, event, req.want_token_ids, req.decode_answer)), False
     frames = []
     for event in events:
         if event == sse.DONE:

@@ -1,10 +1,10 @@
 """The start of a turn without a session id: find its conversation by its tokens, claim it, or start anew.
 
 One prefix lookup (one store round trip, which also begins the new conversation when it finds nobody), then a
-claim of the first holder `lookup.claimable` keeps. The claim (`begin_found_turn`) succeeds only if that conversation is still exactly as the lookup saw it, and
-claims the handle at most once across every replica; a claim that loses a race (another sessionless turn of
-an identical conversation, or the holder's own next turn) changes nothing, and the next holder is tried (if
-a whole page of holders was lost, one more lookup fetches the next page: the claimed ones have left the index).
+claim of the first holder `lookup.claimable` keeps. The claim (`begin_found_turn`) succeeds only if that
+conversation is still exactly as the lookup saw it, and claims the handle at most once across every replica;
+a claim that loses a race (another sessionless turn of an identical conversation, or the holder's own next
+turn) changes nothing, and the next holder is tried (if a whole page of holders was lost, one more lookup fetches the next page: the claimed ones have left the index).
 When none is left the turn starts a new conversation under a generated session key, so its answer is stored
 and indexed for the next turn to find.
 
