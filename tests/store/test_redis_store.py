@@ -93,6 +93,17 @@ async def test_stopped_then_restarted_server() -> None:
         await store.close()
 
 
+def test_new_connections_share_one_driver_info(monkeypatch: pytest.MonkeyPatch) -> None:
+    """redis-py reads its version from the installed metadata for each connection unless given one DriverInfo
+    (milliseconds of the event loop per connection a burst of turns adds to the pool)."""
+    import redis.utils
+
+    client = client_from_url("redis://127.0.0.1:1/0")
+    monkeypatch.setattr(redis.utils, "get_lib_version", lambda: pytest.fail("read redis-py's metadata"))
+    first, second = (client.connection_pool.make_connection() for _ in range(2))
+    assert first.driver_info is second.driver_info is not None
+
+
 @integration
 async def test_unix_socket(redis_server: RedisServer) -> None:
     store = RedisConversationStore.from_url(redis_server.unix_url)

@@ -1,5 +1,5 @@
-"""D's streamed chunks: a plain middle chunk that needs no edit leaves as D's own bytes and tells the capture
-exactly what the whole way would; anything else is decoded, edited, re-encoded."""
+"""D's streamed chunks: a plain middle chunk leaves as D's own bytes (its ids cut out unless wanted) and tells the
+capture exactly what the whole way would; anything else is decoded, edited, re-encoded."""
 
 from __future__ import annotations
 
@@ -55,11 +55,24 @@ def test_a_plain_chunk_leaves_byte_for_byte_when_the_client_wants_ids() -> None:
     assert capture.output_ids == [11] and capture.text == ["hello"] and capture.output_ids_seen
 
 
-def test_ids_the_client_did_not_ask_for_are_still_edited_out() -> None:
-    raw = chunk({"content": "hello"}, ids=[11])
+def test_ids_the_client_did_not_ask_for_are_cut_from_the_bytes() -> None:
+    raw = chunk({"content": "hello"}, ids=[11, 12])
     out, capture, decoded = relayed(raw, want=False)
-    assert decoded and out == whole_way(raw, want=False)[0]
-    assert "token_ids" not in _decode(out)["choices"][0] and capture.output_ids == [11]
+    assert not decoded and out == whole_way(raw, want=False)[0]
+    assert "token_ids" not in _decode(out)["choices"][0] and capture.output_ids == [11, 12]
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"choices":[{"token_ids":[5],"index":0,"delta":{"content":"a"}}]}',               # the ids first
+    b'{"choices":[{"index":0,"delta":{"content":"a"},"token_ids": [5]}]}',              # a space
+    b'{"choices":[{"index":0,"delta":{"content":"a"},"token_ids":[5]}],"token_ids":[6]}',   # a second member
+    b'{"choices":[{"index":0,"delta":{"content":"a"},"logprobs":{"token_ids":[1]},"token_ids":[5]}]}',
+])
+def test_ids_in_any_other_layout_go_the_whole_way(raw: bytes) -> None:
+    out, capture, decoded = relayed(raw, want=False)
+    expected, reference = whole_way(raw, want=False)
+    assert decoded and out == expected
+    same_capture(capture, reference)
 
 
 def test_a_chunk_without_ids_passes_through_either_way() -> None:

@@ -1,14 +1,13 @@
-"""D's streamed chunks on their way to the client: those that need no edit pass through as D sent them.
+"""D's streamed chunks on their way to the client: those that need no edit but the ids pass through as D's bytes.
 
 A middle chunk of a streamed answer (one token: its text and, as the gateway asks D for them, its `token_ids`)
-needs nothing of the gateway but to be read, unless the client must not see the ids. Such a chunk is read into
-a small typed view (msgspec skips every field it does not name) and relayed as D's own bytes. Everything else
-goes the whole way (`DecodeCapture.take`: decoded, edited, re-encoded): the first chunk (D's echo of the prompt
-ids), the last (finish reason, D's handle), errors, tool calls, anything not of the plain shape (byte checks
-decide, conservatively), and a chunk whose ids the client did not ask for. The latter is most chunks; cutting
-the ids' span out of the bytes was tried and measured slower than msgspec's decode and encode of a 150-byte
-chunk (2.6 vs 1.9 µs): the per-chunk JSON is a few percent of a streamed token's CPU through the gateway; the
-rest is one read from D and one write to the client per chunk (bench/README.md, issue 29).
+needs nothing of the gateway but to be read and, unless the client asked for them, to lose its ids. Such a
+chunk is read into a small typed view (msgspec skips every field it does not name) and relayed as D's own
+bytes, the ids' span cut out of them when the client must not see it. Everything else goes the whole way
+(`DecodeCapture.take`: decoded, edited, re-encoded): the first chunk (D's echo of the prompt ids), the last
+(finish reason, D's handle), errors, tool calls, anything not of the plain shape (byte checks decide,
+conservatively). The whole way costs about twice the view and the cut in process, and more in the relay's loop
+(the profile in bench/README.md, issue 29): most chunks of a streamed answer are middle chunks whose ids go.
 """
 
 from __future__ import annotations
@@ -51,9 +50,8 @@ def relay(capture: DecodeCapture, raw: bytes, want_token_ids: bool,
 
 
 def _pass_through(capture: DecodeCapture, raw: bytes, want_token_ids: bool) -> bytes | None:
-    """D's own bytes for a plain middle chunk that needs no edit, its text and ids captured; None: otherwise."""
-    if not want_token_ids and b'"token_ids"' in raw:
-        return None        # the ids must go: an edit (cutting them from the bytes was measured slower)
+    """D's own bytes for a plain middle chunk (its ids cut out unless wanted), its text and ids captured; None:
+    otherwise."""
     # Keys that send a chunk the whole way. A false alarm (the text inside a string) only costs the whole way; a
     # real key always shows as these bytes, since a quote inside a JSON string is escaped. (Spelt out: a loop
     # over a tuple of them costs more than the whole way's decode and encode of a small chunk.)
@@ -69,12 +67,29 @@ def _pass_through(capture: DecodeCapture, raw: bytes, want_token_ids: bool) -> b
     choice = chunk.choices[0]
     if choice.finish_reason is not None:
         return None
-    if choice.token_ids is not None and not want_token_ids:
-        return None        # named in a way the byte check missed: still an edit
+    out = raw
     if choice.token_ids is not None:
+        if not want_token_ids and (out := _without_ids(raw)) is None:
+            return None
         capture.output_ids_seen = True
         capture.output_ids.extend(choice.token_ids)
+    elif not want_token_ids and b'"token_ids"' in raw:
+        return None        # ids somewhere the view does not look: the whole way removes what it must
     piece = choice.delta.content if choice.delta is not None else choice.text
     if piece:
         capture.text.append(piece)
-    return raw
+    return out
+
+
+_IDS = b',"token_ids":['
+
+
+def _without_ids(raw: bytes) -> bytes | None:
+    """`raw` less its one `"token_ids"` member, laid out as vLLM writes it (after another member, no spaces);
+    None: any other layout. The key's bytes cannot occur inside a string (its quotes would be escaped), so one
+    occurrence is the choice's own member, whose value the view read as a list of ints: it ends at the next `]`."""
+    at = raw.find(_IDS)
+    if at < 0 or raw.count(b'"token_ids"') != 1:
+        return None
+    end = raw.find(b"]", at + len(_IDS))
+    return raw[:at] + raw[end + 1:]
