@@ -67,6 +67,7 @@ def test_ids_the_client_did_not_ask_for_are_cut_from_the_bytes() -> None:
     b'{"choices":[{"index":0,"delta":{"content":"a"},"token_ids": [5]}]}',              # a space
     b'{"choices":[{"index":0,"delta":{"content":"a"},"token_ids":[5]}],"token_ids":[6]}',   # a second member
     b'{"choices":[{"index":0,"delta":{"content":"a"},"logprobs":{"token_ids":[1]},"token_ids":[5]}]}',
+    b'{"choices":[{"index":0,"delta":{"content":"token_ids"},"token_ids":[5]}]}',       # the key's text as text
 ])
 def test_ids_in_any_other_layout_go_the_whole_way(raw: bytes) -> None:
     out, capture, decoded = relayed(raw, want=False)
