@@ -4,7 +4,8 @@ zero-timing engines whose every answer is STREAM_TOKENS tokens long (one SSE chu
 A streamed answer costs a proxy a fixed part per turn (intake, legs, the store) and a part per chunk (reading
 D's event, relaying it); with 1,000-token answers the latter dominates, which is what this phase isolates.
 CPU = the proxy process's user+system time over the measured turns, divided by the output tokens D generated
-in them (the simulator's own count). The set-ups take turns A B B A on freshly reset engines.
+in them (the simulator's own count), and that split into user and system (kernel: the socket reads and
+writes) time. The set-ups take turns A B B A on freshly reset engines.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from bench import loadgen
-from bench.loadgen import CpuMeter, OpenAITarget
+from bench.loadgen import CpuMeter, OpenAITarget, UserSystemMeter
 from bench.servers import Servers, get_json, post
 from bench.workload import Workload
 
@@ -31,7 +32,8 @@ def stream_cost(s: Servers, p, d, gw, conversations: int, turns: int, rounds: in
     except Exception as exc:  # not installable or not runnable here: say so and carry on
         notes.append(f"vllm-router could not be run for the streaming phase: {str(exc).splitlines()[0][:200]}")
     w = Workload(conversations=conversations, turns=turns, new_tokens=48, seed=5)
-    totals = {name: {"turns": 0, "errors": 0, "tokens": 0, "cpu_ms": 0.0} for name in setups}
+    totals = {name: {"turns": 0, "errors": 0, "tokens": 0, "cpu_ms": 0.0, "user_ms": 0.0, "system_ms": 0.0}
+              for name in setups}
     for target, _ in setups.values():        # warm up: connections, lazy imports
         loadgen.arun(loadgen.run(target, replace(w, conversations=2, turns=1, seed=98), concurrency=2))
     for round_ in range(rounds):
@@ -40,16 +42,20 @@ def stream_cost(s: Servers, p, d, gw, conversations: int, turns: int, rounds: in
             post(p.url + "/sim/reset")
             post(d.url + "/sim/reset")
             before = _generated(d)
-            meter = CpuMeter(server.proc.pid)
+            meter, split = CpuMeter(server.proc.pid), UserSystemMeter(server.proc.pid)
             run = loadgen.arun(loadgen.run(target, replace(w, seed=round_), concurrency=conversations))
-            cpu_ms = meter.seconds() * 1e3
+            cpu_ms, (user_s, system_s) = meter.seconds() * 1e3, split.seconds()
             total = totals[name]
             total["turns"] += len(run.ok)
             total["errors"] += run.errors
             total["tokens"] += _generated(d) - before
             total["cpu_ms"] += cpu_ms
+            total["user_ms"] += user_s * 1e3
+            total["system_ms"] += system_s * 1e3
     return {name: {**t, "cpu_ms_per_turn": t["cpu_ms"] / max(1, t["turns"]),
-                   "cpu_us_per_token": t["cpu_ms"] * 1e3 / max(1, t["tokens"])} for name, t in totals.items()}
+                   "cpu_us_per_token": t["cpu_ms"] * 1e3 / max(1, t["tokens"]),
+                   "user_us_per_token": t["user_ms"] * 1e3 / max(1, t["tokens"]),
+                   "system_us_per_token": t["system_ms"] * 1e3 / max(1, t["tokens"])} for name, t in totals.items()}
 
 
 def _generated(d) -> int:
@@ -62,11 +68,12 @@ def table(stream: dict, conversations: int, turns: int) -> tuple[list[str], floa
              f"{conversations} conversations at once, {turns} turns, answers of {STREAM_TOKENS} tokens streamed "
              "(one SSE chunk per token), zero-timing engines that use the pinned ids; CPU of the proxy process over "
              "the turns, per output token D generated (the simulator's count).", "",
-             "| set-up | turns | errors | output tokens | proxy CPU ms/turn | proxy CPU µs/output token |",
-             "|---|---|---|---|---|---|"]
+             "| set-up | turns | errors | output tokens | proxy CPU ms/turn | proxy CPU µs/output token | of which user / "
+             "system (kernel) µs |",
+             "|---|---|---|---|---|---|---|"]
     for name, f in stream.items():
         lines.append(f"| {name} | {f['turns']} | {f['errors']} | {f['tokens']} | {f['cpu_ms_per_turn']:.2f} | "
-                     f"{f['cpu_us_per_token']:.2f} |")
+                     f"{f['cpu_us_per_token']:.2f} | {f['user_us_per_token']:.1f} / {f['system_us_per_token']:.1f} |")
     gw, router = stream.get("pd-gateway"), stream.get("vllm-router")
     ratio = gw["cpu_us_per_token"] / router["cpu_us_per_token"] if gw and router and router["cpu_us_per_token"] \
         else float("nan")
