@@ -349,25 +349,18 @@ class CpuMeter:
 
 class UserSystemMeter:
     """User and system CPU seconds (all threads) a process spent since this meter was made, apart: the kernel's
-    share of a proxy's CPU (socket reads and writes) against its own code's. Clock ticks (/proc/PID/task/*/stat),
-    so measure at least a second of CPU."""
+    share of a proxy's CPU (socket reads and writes) against its own code's. psutil's clock ticks, so measure at
+    least a second of CPU."""
 
     def __init__(self, pid: int) -> None:
-        self._pid = pid
-        self._start = self._now()
+        import psutil
 
-    def _now(self) -> tuple[float, float]:
-        tasks, user, system = f"/proc/{self._pid}/task", 0, 0
-        for tid in os.listdir(tasks):
-            with open(f"{tasks}/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            user, system = user + int(fields[11]), system + int(fields[12])
-        tick = os.sysconf("SC_CLK_TCK")
-        return user / tick, system / tick
+        self._proc = psutil.Process(pid)
+        self._start = self._proc.cpu_times()
 
     def seconds(self) -> tuple[float, float]:
-        (u0, s0), (u1, s1) = self._start, self._now()
-        return u1 - u0, s1 - s0
+        now = self._proc.cpu_times()
+        return now.user - self._start.user, now.system - self._start.system
 
 
 def arun(coro):

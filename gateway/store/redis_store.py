@@ -175,7 +175,6 @@ class RedisConversationStore(_Responses):
         self._ttl_ms = max(1, round(conversation_ttl_s * 1000))
         self._clock = clock  # wall clock, for the handle checks of get and delete
         self._known = KnownBlocks()  # the block hashes this process wrote: not read back by its next claim
-        # Run by EVALSHA; the source is sent only when the server answers NOSCRIPT (e.g. after a restart).
         self._begin_turn = _Script(client, scripts.BEGIN_TURN)
         self._finish_turn = _Script(client, scripts.FINISH_TURN)
         self._delete = _Script(client, scripts.DELETE)

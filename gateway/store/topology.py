@@ -21,7 +21,7 @@ from redis.backoff import NoBackoff
 
 try:
     from redis.driver_info import DriverInfo
-except ImportError:         # redis-py before 7.1 reads its own version once, at import
+except ImportError:         # an older redis-py, which reads its own version once, at import
     DriverInfo = None
 
 SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster")

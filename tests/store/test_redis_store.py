@@ -7,6 +7,7 @@ import time
 
 import pytest
 import redis
+import redis.utils
 from redis.asyncio.connection import Connection
 
 from gateway.store import Conversation, ConversationKey, RedisConversationStore, StoreUnavailableError
@@ -96,8 +97,6 @@ async def test_stopped_then_restarted_server() -> None:
 def test_new_connections_share_one_driver_info(monkeypatch: pytest.MonkeyPatch) -> None:
     """redis-py reads its version from the installed metadata for each connection unless given one DriverInfo
     (milliseconds of the event loop per connection a burst of turns adds to the pool)."""
-    import redis.utils
-
     client = client_from_url("redis://127.0.0.1:1/0")
     monkeypatch.setattr(redis.utils, "get_lib_version", lambda: pytest.fail("read redis-py's metadata"))
     first, second = (client.connection_pool.make_connection() for _ in range(2))
