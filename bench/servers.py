@@ -95,14 +95,22 @@ class Servers(contextlib.ExitStack):
         return server
 
     def router(self, prefill: list[Server], decode: list[Server]) -> Server:
+        """vllm-router's PD mode (stateless PD) in front of `prefill` and `decode`."""
+        return self._router(["--vllm-pd-disaggregation", "--policy", "round_robin",
+                             *engine_flags(prefill, decode)])
+
+    def router_workers(self, workers: list[Server], policy: str = "cache_aware") -> Server:
+        """vllm-router in front of co-located engines, routing by `policy`."""
+        return self._router(["--policy", policy, "--worker-urls", *(w.url for w in workers)])
+
+    def _router(self, mode: list[str]) -> Server:
         exe = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which("vllm-router")
         if exe is None:
             raise RuntimeError("vllm-router is not installed (pip install vllm-router)")
         port = free_port()
-        args = [exe, "--vllm-pd-disaggregation", "--policy", "round_robin", "--host", "127.0.0.1",
-                "--port", str(port), "--log-level", "warning", "--max-concurrent-requests", "4096",
-                "--disable-retries", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
-        args += engine_flags(prefill, decode)
+        args = [exe, *mode, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+                "--max-concurrent-requests", "4096", "--disable-retries", "--prometheus-host", "127.0.0.1",
+                "--prometheus-port", str(free_port())]
         server = _spawn(args, port=port, cpus=self._cpus("vllm-router"))
         self.callback(server.stop)
         return server

@@ -5,6 +5,8 @@
 #   1. with .gpu/p1 carried:  bash bench/gpu/host.sh install   NIXL + wheels into /tmp, the model built meanwhile
 #   2. with .gpu/p2 carried:  bash bench/gpu/host.sh run STEP...   vLLM 0.25.0 unpacked, then bench/gpu/run.sh's
 #                             steps (default: serve ttft itl stop) with the host's paths; results in $OUT
+#                             (the load bench: `bash bench/gpu/host.sh router` beside `pack.sh` puts vllm-router's
+#                             wheel in .gpu/p2/router; `LOAD_ARMS=1 ... run serve load stop` then has all four arms)
 # Settings for `run` are run.sh's and serve.sh's (TRANSPORT, BLOCK_SIZE, LENGTHS, MODES, SUFFIX_WORDS, ...);
 # defaults here: TRANSPORT=cuda_ipc_peer BLOCK_SIZE=128 (bench/GPU-RESULTS.md: the fast setting).
 set -u
@@ -39,6 +41,14 @@ run() {
   fi
   for _ in $(seq 1 150); do [ -f /tmp/model.done ] && break; sleep 1; done
   say "vLLM unpacked; model rc=$(cat /tmp/model.done 2>/dev/null || echo missing)"
+  if ls .gpu/p2/router/*.whl > /dev/null 2>&1; then      # vllm-router for the load bench's arms
+    mkdir -p /tmp/router && pip_into /tmp/router .gpu/p2/router/*.whl
+    printf '#!/usr/bin/env bash\nPYTHONPATH=/tmp/router:/tmp/site exec python3 -c %q "$@"\n' \
+      'import sys; from vllm_router.launch_router import main; sys.argv[0] = "vllm-router"; sys.exit(main())' \
+      > /tmp/vllm-router && chmod +x /tmp/vllm-router
+    export ROUTER=/tmp/vllm-router
+    say "vllm-router: $(/tmp/vllm-router --help 2>&1 | head -1 | cut -c1-80)"
+  fi
   export VLLM_PATH=/tmp/site:/tmp/stubs GW_PATH=/tmp/gwsite VLLM_USE_FLASHINFER_SAMPLER=0 OUT
   export TRANSPORT=${TRANSPORT:-cuda_ipc_peer} BLOCK_SIZE=${BLOCK_SIZE:-128}
   local steps=("$@")
@@ -48,8 +58,14 @@ run() {
   say "run done"
 }
 
+router() {  # here, after pack.sh: vllm-router's wheel and the imports its launcher needs that the host lacks
+  mkdir -p .gpu/p2/router && cp bench/host/wheels/vllm_router-*.whl bench/host/wheels/orjson-*.whl .gpu/p2/router/
+  du -sh .gpu/p2
+}
+
 case ${1:-} in
   install) install;;
+  router) router;;
   run) shift; run "$@";;
-  *) echo "usage: bash bench/gpu/host.sh install | run [STEP...]"; exit 2;;
+  *) echo "usage: bash bench/gpu/host.sh install | run [STEP...] | router"; exit 2;;
 esac

@@ -198,6 +198,17 @@ def local_md(ttft: dict, itl: dict | None, env: dict | None) -> list[str]:
     return out
 
 
+def load_md(runs: list[tuple[str, Path]]) -> list[str]:
+    """The load bench (bench/gpu/load.py): each run's tables as its `load.md` has them, with its curve."""
+    out = ["## Under load: many conversations at once (bench/gpu/load.py)", ""]
+    for label, folder in runs:
+        out += [f"### {label}", ""]
+        if (folder / "load.png").exists():
+            out += [f"![load: {label}]({os.path.relpath(folder / 'load.png', 'bench')})", ""]
+        out += (folder / "load.md").read_text().splitlines() + [""]
+    return out
+
+
 def push_md(pull: dict, push: dict, env: dict | None) -> list[str]:
     """Push vs pull (issue 26): a full prefill through the gateway (stateless, P's cache cold: `full_coldP`) with
     P and D on vLLM's NixlConnector and then on its NixlPushConnector, same engines' settings, one session."""
@@ -343,6 +354,8 @@ def main() -> None:
     ap.add_argument("--transport", type=Path, help="the folder whose transport.json to show (default: --results)")
     ap.add_argument("--local", type=Path, help="a run's folder with the local path's ttft.json and itl.json")
     ap.add_argument("--push", metavar="PULL_DIR,PUSH_DIR", help="two runs' folders (full_coldP) in pull and push mode")
+    ap.add_argument("--load", action="append", default=[], metavar="LABEL=DIR",
+                    help="a load bench run's folder (its load.md and load.png)")
     ap.add_argument("--md", default="bench/GPU-RESULTS.md")
     ap.add_argument("--png", default="bench/gpu-results.png")
     a = ap.parse_args()
@@ -360,6 +373,8 @@ def main() -> None:
         lines += [f"Main run ({a.label}): " + "; ".join(f"{k}: {v}" for k, v in env.items()), ""]
     if plot(ttft, corr, runs, a.png, a.label):
         lines += [f"![TTFT by history length and KV correctness]({os.path.basename(a.png)})", ""]
+    loads = [(label, Path(folder)) for label, _, folder in (i.rpartition("=") for i in a.load)]
+    lines += load_md([(label, folder) for label, folder in loads if (folder / "load.md").exists()]) if loads else []
     if a.local and load(a.local, "ttft.json"):
         lines += local_md(load(a.local, "ttft.json"), load(a.local, "itl.json"), load(a.local, "env.json"))
     if a.push:

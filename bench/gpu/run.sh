@@ -10,6 +10,9 @@
 #   correctness  log-prob distance through the gateway, noise floor, controls -> $OUT/correctness.json
 #   ttft         TTFT by history length in each mode (MODES) -> $OUT/ttft.json
 #   itl          D's inter-token latency of running streams, alone and under local prefills -> $OUT/itl.json
+#   load         the load bench (bench/gpu/load.py): many conversations at once through pd-gateway, stateless PD,
+#                one and two co-located engines; needs `LOAD_ARMS=1` at serve (and ROUTER for vllm-router's arms)
+#                -> $OUT/load/{load.json,load.md,load.png}; LOAD_POINTS, LOAD_DURATION_S, LOAD_THINK_SCALE
 #   report       bench/GPU-RESULTS.md and bench/gpu-results.png from $OUT
 #   stop         end what serve started
 # Environment: MODEL (/tmp/pdgw-bench-model), MODEL_SIZE (3b), OUT (bench/gpu-out), TRANSPORT (auto),
@@ -86,6 +89,24 @@ step_itl() {
   say "itl: local prefills of ${LOCAL_SIZES:-256,1024} tokens"
   timeout 300 "$PY" "$HERE/client.py" itl --out "$OUT" --model-dir "$MODEL" --local-sizes "${LOCAL_SIZES:-256,1024}" \
     --reps "${ITL_REPS:-2}"
+}
+
+step_load() {
+  local quick=${LOAD_QUICK:-0}
+  local points=${LOAD_POINTS:-$([ "$quick" = 1 ] && echo chat:c16,long:c16,agent:c16 || echo chat:c8,chat:c32,chat:c128,long:c16,long:c32,agent:c16,agent:c32)}
+  say "load: $points"
+  local args=(--gateway http://127.0.0.1:8003 --coloc http://127.0.0.1:8300 --engines gateway=http://127.0.0.1:8100,http://127.0.0.1:8200
+              --engines coloc=http://127.0.0.1:8300)
+  if curl -sf -m 2 http://127.0.0.1:8010/health > /dev/null; then
+    args+=(--stateless http://127.0.0.1:8010 --engines stateless=http://127.0.0.1:8100,http://127.0.0.1:8200)
+  fi
+  if curl -sf -m 2 http://127.0.0.1:8011/health > /dev/null; then
+    args+=(--coloc2 http://127.0.0.1:8011 --engines coloc2=http://127.0.0.1:8301,http://127.0.0.1:8302)
+  fi
+  PYTHONPATH="${GW_PATH:+$GW_PATH:}$ROOT" timeout "${LOAD_BUDGET_S:-3000}" "$PY" "$HERE/load.py" "${args[@]}" \
+    --points "$points" --duration-s "${LOAD_DURATION_S:-$([ "$quick" = 1 ] && echo 25 || echo 60)}" \
+    --think-scale "${LOAD_THINK_SCALE:-$([ "$quick" = 1 ] && echo 0.1 || echo 1)}" --out "$OUT/load" \
+    --title "load bench, H200 ($(date -u +%F))"
 }
 
 step_report() {

@@ -8,6 +8,10 @@
 #   G3 a third, :8002, with the product's defaults (the cost plan and the local path: D alone computes a short
 #      suffix); all find conversations by session id only, so the stateless modes (no session id) stay stateless
 # and wait until all four answer /health. `bash bench/gpu/serve.sh stop` ends them (by their pid files).
+# LOAD_ARMS=1 adds the load bench's arms (bench/gpu/load.py): C gets C_KV_GIB (default twice KV_GIB: the KV of P
+# and D together); C1 :8301 and C2 :8302, co-located engines of KV_GIB each; G4 :8003, pd-gateway with its
+# defaults (sessions and prefix lookup); and with ROUTER (the command that runs vllm-router) R1 :8010, vllm-router's
+# PD mode over P and D (stateless PD), and R2 :8011, vllm-router's cache_aware routing over C1 and C2.
 #
 #   MODEL=/path/to/model bash bench/gpu/serve.sh
 # Settings (environment):
@@ -30,10 +34,11 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 RUN=${RUN:-/tmp/pdgw-gpu}
 mkdir -p "$RUN"
-declare -A PORT=([P]=8100 [D]=8200 [C]=8300 [G]=8000 [G2]=8001 [G3]=8002)
+declare -A PORT=([P]=8100 [D]=8200 [C]=8300 [C1]=8301 [C2]=8302 [G]=8000 [G2]=8001 [G3]=8002 [G4]=8003
+                 [R1]=8010 [R2]=8011)
 
 if [ "${1:-}" = stop ]; then
-  for n in G G2 G3 P D C; do [ -f "$RUN/$n.pid" ] && kill "$(cat "$RUN/$n.pid")" 2>/dev/null && echo "stopped $n"; done
+  for n in G G2 G3 G4 R1 R2 P D C C1 C2; do [ -f "$RUN/$n.pid" ] && kill "$(cat "$RUN/$n.pid")" 2>/dev/null && echo "stopped $n"; done
   exit 0
 fi
 : "${MODEL:?set MODEL to the model folder}"
@@ -66,12 +71,12 @@ kv_config() {  # role engine_id; KV_MODE=push: vLLM's NixlPushConnector (P write
   printf '"decoder_kv_blocks_ttl":%s}}' "$TTL_S"
 }
 
-start_engine() {  # name gpu side_port role engine_id
-  local name=$1 port=${PORT[$1]}
+start_engine() {  # name gpu side_port role engine_id [kv_gib]
+  local name=$1 port=${PORT[$1]} kv_gib=${6:-${KV_GIB:-20}}
   if curl -sf -m 2 "http://127.0.0.1:$port/health" > /dev/null; then echo "$name already up"; return; fi
   local cmd=("$VLLM_PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name pdgw-bench
              --host 127.0.0.1 --port "$port" --enforce-eager --max-model-len "${MAX_LEN:-36864}"
-             --gpu-memory-utilization "${GPU_UTIL:-0.25}" --kv-cache-memory-bytes $(( ${KV_GIB:-20} << 30 ))
+             --gpu-memory-utilization "${GPU_UTIL:-0.25}" --kv-cache-memory-bytes $(( kv_gib << 30 ))
              --disable-uvicorn-access-log ${BLOCK_SIZE:+--block-size $BLOCK_SIZE})
   [ -n "$4" ] && cmd+=(--kv-transfer-config "$(kv_config "$4" "$5")")
   { echo "#!/usr/bin/env bash"
@@ -86,12 +91,21 @@ start_engine() {  # name gpu side_port role engine_id
 t0=$(date +%s)
 start_engine P "${P_GPU:-0}" 5600 kv_producer prefill-0
 start_engine D "${D_GPU:-0}" 5700 kv_consumer decode-0
-start_engine C "${C_GPU:-0}" "" "" ""
+ENGINES="P D C"
+if [ "${LOAD_ARMS:-0}" = 1 ]; then
+  start_engine C "${C_GPU:-0}" "" "" "" "${C_KV_GIB:-$(( 2 * ${KV_GIB:-20} ))}"
+  start_engine C1 "${C_GPU:-0}" "" "" ""
+  start_engine C2 "${C_GPU:-0}" "" "" ""
+  ENGINES="P D C C1 C2"
+else
+  start_engine C "${C_GPU:-0}" "" "" ""
+fi
 echo "engines starting (TRANSPORT=${TRANSPORT:-tcp}); logs in $RUN"
+want=${ENGINES// /}
 for i in $(seq 1 180); do
-  up=""; for n in P D C; do curl -sf -m 2 "http://127.0.0.1:${PORT[$n]}/health" > /dev/null && up="$up$n"; done
-  [ "$up" = PDC ] && break
-  for n in P D C; do
+  up=""; for n in $ENGINES; do curl -sf -m 2 "http://127.0.0.1:${PORT[$n]}/health" > /dev/null && up="$up$n"; done
+  [ "$up" = "$want" ] && break
+  for n in $ENGINES; do
     if [ -f "$RUN/$n.pid" ] && ! kill -0 "$(cat "$RUN/$n.pid")" 2>/dev/null; then
       echo "ENGINE $n EXITED"; tail -40 "$RUN/$n.log"; exit 1
     fi
@@ -99,7 +113,7 @@ for i in $(seq 1 180); do
   sleep 2
 done
 echo "[$(( $(date +%s) - t0 ))s] engines up: $up"
-[ "$up" = PDC ] || { for n in P D C; do echo "== $n"; tail -20 "$RUN/$n.log"; done; exit 1; }
+[ "$up" = "$want" ] || { for n in $ENGINES; do echo "== $n"; tail -20 "$RUN/$n.log"; done; exit 1; }
 
 start_gateway() {  # name reuse_policy [flags...]
   local port=${PORT[$1]} name=$1 policy=$2
@@ -114,7 +128,25 @@ start_gateway() {  # name reuse_policy [flags...]
 start_gateway G always --local-prefill-max-tokens 0
 start_gateway G2 cost --local-prefill-max-tokens 0
 start_gateway G3 cost
-for n in G G2 G3; do
+GATEWAYS="G G2 G3"
+if [ "${LOAD_ARMS:-0}" = 1 ]; then
+  start_gateway G4 cost --conversation-lookup both
+  GATEWAYS="$GATEWAYS G4"
+  start_router() {  # name args...
+    local name=$1; shift
+    setsid $ROUTER "$@" --host 127.0.0.1 --port "${PORT[$name]}" --log-level warning \
+      --max-concurrent-requests 4096 --disable-retries --prometheus-host 127.0.0.1 \
+      --prometheus-port $(( ${PORT[$name]} + 100 )) < /dev/null > "$RUN/$name.log" 2>&1 &
+    echo $! > "$RUN/$name.pid"
+  }
+  if [ -n "${ROUTER:-}" ]; then
+    start_router R1 --vllm-pd-disaggregation --policy round_robin --prefill http://127.0.0.1:8100 \
+      --decode http://127.0.0.1:8200
+    start_router R2 --policy cache_aware --worker-urls http://127.0.0.1:8301 http://127.0.0.1:8302
+    GATEWAYS="$GATEWAYS R1 R2"
+  fi
+fi
+for n in $GATEWAYS; do
   for i in $(seq 1 60); do curl -sf -m 2 "http://127.0.0.1:${PORT[$n]}/health" > /dev/null && break; sleep 1; done
   echo "[$(( $(date +%s) - t0 ))s] gateway $n: $(curl -s -m 2 "http://127.0.0.1:${PORT[$n]}/health")"
 done

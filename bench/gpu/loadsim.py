@@ -1,0 +1,57 @@
+"""The load bench on timed simulators (`python bench/gpu/load.py --sim`): the same arms and code as on the GPU host,
+with engines that spend an H200's time (bench/local.py's timing: prefill 50k tokens/s, an 8 ms decode step
+shared by the running requests, KV moved at 0.05 ms a block plus 40 ms a read) and queue on full KV as vLLM does.
+
+Sizes: workload lengths x `--scale`, D's KV in blocks of 16 tokens; the co-located arm gets P's and D's blocks
+together, each of the two co-located engines one engine's. `--smoke` is CI's (about two minutes on two cores),
+`--quick` a developer's (a few minutes); without either, the GPU quick points at a quarter of the lengths.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+import loadstats as stats
+from bench.local import TIMING
+from bench.servers import Servers, get_json
+
+from gateway.config import DEFAULT_LOCAL_PREFILL_MAX_TOKENS
+
+SIZES = {   # (scale, points, seconds per arm, think scale, D's blocks)
+    "smoke": (0.1, "chat:c4,agent:c4", 6.0, 0.02, 6000),
+    "quick": (0.25, "chat:c8,chat:c32,long:c8,agent:c8", 20.0, 0.05, 6000),
+    "full": (0.25, "chat:c8,chat:c32,chat:c64,long:c16,agent:c16", 40.0, 0.1, 6000),
+}
+ENGINE = ["--stream-kv-params", "--max-model-len", "65536", "--batched-steps"]
+
+
+def run_on_sims(args: argparse.Namespace, run: Callable[..., dict[str, Any]]) -> dict[str, Any]:
+    size = "smoke" if args.smoke else "quick" if args.quick else "full"
+    scale, points, duration, think, blocks = SIZES[size]
+    args.scale, args.points, args.duration_s, args.think_scale = scale, points, duration, think
+    args.model, args.title = "demo", f"load bench on timed simulators ({size})"
+    args.turn_timeout_s = min(args.turn_timeout_s, 60.0)
+    flags = [*ENGINE, *TIMING]
+    with Servers() as s:
+        p, d, c, c1, c2 = s.sims([
+            ("prefill", "load-p", [*flags, "--num-blocks", str(blocks)]),
+            ("decode", "load-d", [*flags, "--num-blocks", str(blocks)]),
+            ("colocated", "load-c", [*flags, "--num-blocks", str(2 * blocks)]),
+            ("colocated", "load-c1", [*flags, "--num-blocks", str(blocks)]),
+            ("colocated", "load-c2", [*flags, "--num-blocks", str(blocks)])])
+        gateway = s.gateways([([p], [d], ["--reuse-policy", "cost", "--local-prefill-max-tokens",
+                                          str(DEFAULT_LOCAL_PREFILL_MAX_TOKENS)])])[0]
+        stateless = s.router([p], [d])
+        pair = s.router_workers([c1, c2], policy="cache_aware")
+        urls = {stats.GATEWAY: gateway.url, stats.STATELESS: stateless.url, stats.COLOC: c.url,
+                stats.COLOC2: pair.url}
+        engines = {stats.GATEWAY: [p.url, d.url], stats.STATELESS: [p.url, d.url], stats.COLOC: [c.url],
+                   stats.COLOC2: [c1.url, c2.url]}
+        note = (f"timed simulators ({' '.join(TIMING)}, batched steps), D {blocks} blocks of 16, lengths x{scale}, "
+                f"gateway: defaults (the flags bench/servers.py sets restored)")
+        result = run(args, urls, engines, note)
+        oracle = [get_json(e.url + "/sim/stats") for e in (p, d, c, c1, c2)]
+        result["corrupt"] = sum(o["kv_reads_corrupt"] for o in oracle)
+        result["summary"] += f" corrupt={result['corrupt']}"      # the simulators' oracle: blocks of wrong KV read
+        return result
