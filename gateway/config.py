@@ -31,8 +31,12 @@ DEFAULT_HANDLE_TTL_MARGIN_S = 30.0
 DEFAULT_DECODE_KV_LEASE_S = 30.0           # vLLM's kv_lease_duration default
 READ_DECLINE_MARGIN_S = 5.0                # vLLM declines a read of a handle within this of its expiry
 DEFAULT_DECODE_PIN_BUDGET = 0.5
-# The holder D computes a warm turn's new suffix itself up to this many tokens (the local path, issue 24)
-DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 256
+# The holder D computes a warm turn's new suffix itself up to this many tokens (the local path, issue 24): the cap;
+# within it D's headroom decides (turns/reuse/headroom.py, issue 36). 8192: vLLM's prefill chunk on an H200 server.
+DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 8192
+# What local prefills in flight may add to a step of D's running streams (bench/GPU-RESULTS.md, under load: PD's
+# ITL p99 was 35-52 ms where one engine's was 37-122 ms; 20 ms keeps PD's p99 under 0.6x the co-located one's).
+DEFAULT_LOCAL_ITL_BUDGET_MS = 20.0
 DEFAULT_TENANT = "default"
 ENV_PREFIX = "PDGW_"
 CONFIG_ENV = "PDGW_CONFIG"       # names the settings file when --config is not given
@@ -84,6 +88,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     reuse_policy: ReusePolicy = "cost"             # "cost": send D's handle only where reading beats recomputing
     kv_transfer_mode: KVTransferMode = "auto"      # "auto": what the engines' /server_info shows
     local_prefill_max_tokens: Annotated[int, msgspec.Meta(ge=0)] = DEFAULT_LOCAL_PREFILL_MAX_TOKENS  # 0: off
+    local_itl_budget_ms: Annotated[float, msgspec.Meta(ge=0)] = DEFAULT_LOCAL_ITL_BUDGET_MS
     rate_probe_tokens: Annotated[int, msgspec.Meta(ge=0)] = 8192  # the cost plan's calibration read; 0: no probes
     rate_probe_interval_s: Seconds = 300.0         # ... repeated this often per P-D pair
     prefill_affinity: bool = True                  # prefer the P that prefilled the conversation's last turn

@@ -84,6 +84,9 @@ class Metrics:
             "pdgw_upstream_errors", "Engine errors by pool and kind", ["pool", "kind"], registry=r)
         self.engine_healthy = Gauge("pdgw_engine_healthy", "1 if the engine passes health checks",
                                     ["pool", "engine"], registry=r)
+        self.local_bound_tokens = Histogram(
+            "pdgw_local_bound_tokens", "Tokens a warm turn's D may compute itself given its headroom (the local bound)",
+            ["plan"], buckets=(0, 256, 512, 1024, 2048, 4096, 8192, 16384), registry=r)
         self.store_seconds = Histogram(
             "pdgw_store_seconds", "Conversation store latency by operation", ["op"],
             buckets=LATENCY_BUCKETS, registry=r)

@@ -12,6 +12,8 @@
 # and D together); C1 :8301 and C2 :8302, co-located engines of KV_GIB each; G4 :8003, pd-gateway with its
 # defaults (sessions and prefix lookup); and with ROUTER (the command that runs vllm-router) R1 :8010, vllm-router's
 # PD mode over P and D (stateless PD), and R2 :8011, vllm-router's cache_aware routing over C1 and C2.
+# KV_EVENTS=1: P and D publish their prefix caches' changes (vLLM --kv-events-config, ZMQ on :5557 and :5558) and
+# G4 subscribes (--kv-events); an engine that fails to start with the publisher is started again without it.
 #
 #   MODEL=/path/to/model bash bench/gpu/serve.sh
 # Settings (environment):
@@ -34,6 +36,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 RUN=${RUN:-/tmp/pdgw-gpu}
 mkdir -p "$RUN"
+declare -A EVENTS_PORT=([P]=5557 [D]=5558)
 declare -A PORT=([P]=8100 [D]=8200 [C]=8300 [C1]=8301 [C2]=8302 [G]=8000 [G2]=8001 [G3]=8002 [G4]=8003
                  [R1]=8010 [R2]=8011)
 
@@ -79,6 +82,9 @@ start_engine() {  # name gpu side_port role engine_id [kv_gib]
              --gpu-memory-utilization "${GPU_UTIL:-0.25}" --kv-cache-memory-bytes $(( kv_gib << 30 ))
              --disable-uvicorn-access-log ${BLOCK_SIZE:+--block-size $BLOCK_SIZE})
   [ -n "$4" ] && cmd+=(--kv-transfer-config "$(kv_config "$4" "$5")")
+  if [ -n "$4" ] && [ "${KV_EVENTS:-0}" = 1 ] && [ ! -f "$RUN/$name.no_events" ]; then
+    cmd+=(--kv-events-config "{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:${EVENTS_PORT[$name]}\",\"topic\":\"kv\"}")
+  fi
   { echo "#!/usr/bin/env bash"
     echo "echo \$\$ > $RUN/$name.pid"
     echo "export CUDA_VISIBLE_DEVICES=$2 ${VLLM_PATH:+PYTHONPATH=$VLLM_PATH}"
@@ -107,7 +113,15 @@ for i in $(seq 1 180); do
   [ "$up" = "$want" ] && break
   for n in $ENGINES; do
     if [ -f "$RUN/$n.pid" ] && ! kill -0 "$(cat "$RUN/$n.pid")" 2>/dev/null; then
-      echo "ENGINE $n EXITED"; tail -40 "$RUN/$n.log"; exit 1
+      echo "ENGINE $n EXITED"; tail -40 "$RUN/$n.log"
+      if [ "${KV_EVENTS:-0}" = 1 ] && [ -n "${EVENTS_PORT[$n]:-}" ] && [ ! -f "$RUN/$n.no_events" ]; then
+        echo "starting $n again without its KV-events publisher"; cp "$RUN/$n.log" "$RUN/$n.events-failed.log"
+        touch "$RUN/$n.no_events"; rm -f "$RUN/$n.pid"
+        if [ "$n" = P ]; then start_engine P "${P_GPU:-0}" 5600 kv_producer prefill-0
+        else start_engine D "${D_GPU:-0}" 5700 kv_consumer decode-0; fi
+        continue
+      fi
+      exit 1
     fi
   done
   sleep 2
@@ -130,7 +144,12 @@ start_gateway G2 cost --local-prefill-max-tokens 0
 start_gateway G3 cost
 GATEWAYS="G G2 G3"
 if [ "${LOAD_ARMS:-0}" = 1 ]; then
-  start_gateway G4 cost --conversation-lookup both
+  events=()
+  for n in P D; do
+    [ "${KV_EVENTS:-0}" = 1 ] && [ ! -f "$RUN/$n.no_events" ] && \
+      events+=(--kv-events "http://127.0.0.1:${PORT[$n]}=tcp://127.0.0.1:${EVENTS_PORT[$n]}")
+  done
+  start_gateway G4 cost --conversation-lookup both "${events[@]}"
   GATEWAYS="$GATEWAYS G4"
   start_router() {  # name args...
     local name=$1; shift

@@ -50,6 +50,7 @@ class Engine:
     outstanding_requests: int = 0
     outstanding_tokens: int = 0
     running_kv_tokens: int = 0      # a D: prompt tokens of this gateway's requests running on it (the KV they hold)
+    local_prefill_tokens: int = 0   # a D: tokens of this gateway's local turns it is prefilling (no first token yet)
     admitted_at: float = 0.0
     breaker: Breaker = field(default_factory=Breaker)
     info: dict = field(default_factory=dict)      # /version, block size, served models: filled at start-up

@@ -77,11 +77,18 @@ class DecodeLeg:
         """D's streamed leg, up to its response headers (and when it was sent)."""
         body = self._body(turn)
         sent = time.perf_counter()
-        stream = await self.calls.leg("decode", turn.decode, self.client.open_stream(
-            turn.decode.url, turn.req.endpoint, body,
-            first_byte_timeout_s=self._first_byte_s(turn),
-            idle_timeout_s=self.settings.decode_idle_timeout_s, headers=turn.leg_headers("decode"),
-            on_sent=turn.req.clock.decode_out))
+        if turn.plan.local:              # D's headroom counts it until its first token (reuse/headroom.py)
+            turn.local_prefill = (turn.decode, len(turn.req.prompt_ids) - turn.reused_tokens)
+            turn.decode.local_prefill_tokens += turn.local_prefill[1]
+        try:
+            stream = await self.calls.leg("decode", turn.decode, self.client.open_stream(
+                turn.decode.url, turn.req.endpoint, body,
+                first_byte_timeout_s=self._first_byte_s(turn),
+                idle_timeout_s=self.settings.decode_idle_timeout_s, headers=turn.leg_headers("decode"),
+                on_sent=turn.req.clock.decode_out))
+        except BaseException:
+            _prefilled(turn)
+            raise
         return stream, sent
 
     def relayed(self, turn: Turn, stream: EngineStream, sent: float) -> TurnReply:
@@ -104,6 +111,7 @@ class DecodeLeg:
         try:
             while (events := await stream.next_events()) is not None:
                 if first:
+                    _prefilled(turn)
                     turn.req.clock.decode_in()
                     self.outcome.release_held_back(turn)
                     self.outcome.observe("decode_ttft", began)
@@ -127,6 +135,7 @@ class DecodeLeg:
             yield sse.frame(sse.DONE)
         finally:
             stream.close()           # on client disconnect too: closing the connection aborts the request on D
+            _prefilled(turn)
             self.outcome.release_held_back(turn)
             turn.decode.outstanding_requests -= 1
             turn.decode.running_kv_tokens -= len(turn.req.prompt_ids)
@@ -142,6 +151,14 @@ class DecodeLeg:
         if turn.plan.local:
             prefill_rate = self.rates.any_prefill_rate()
         self.rates.observe_decode(DecodeTiming(turn.decode.url, turn.plan.local, computed, seconds), prefill_rate)
+
+
+def _prefilled(turn: Turn) -> None:
+    """A local leg's tokens no longer count as D's prefill in flight (its first token came, or it ended)."""
+    if turn.local_prefill is not None:
+        engine, tokens = turn.local_prefill
+        engine.local_prefill_tokens -= tokens
+        turn.local_prefill = None
 
 
 def _frames(capture: DecodeCapture, events: list[bytes], req: TurnRequest) -> tuple[bytes, bool]:

@@ -39,8 +39,11 @@ class TurnOutcome:
         self.metrics.prompt_tokens.labels("computed").inc(prompt - reused)
         self.observe("total", turn.began)
         turn.trace.finish(plan, reused, prompt - reused)
+        room = turn.headroom.fields() if turn.headroom is not None else {}
+        if room:
+            self.metrics.local_bound_tokens.labels(plan.kind.value).observe(room["local_bound"])
         log_turn(log, request_id=turn.req.request_id, plan=plan.kind.value, reason=plan.reason.value,
-                 reused=reused, computed=prompt - reused, seconds=round(time.perf_counter() - turn.began, 4))
+                 reused=reused, computed=prompt - reused, seconds=round(time.perf_counter() - turn.began, 4), **room)
 
     def observe(self, phase: str, began: float) -> None:
         self.metrics.turn_seconds.labels(phase).observe(time.perf_counter() - began)

@@ -31,6 +31,7 @@ from gateway.turns.legs.release import HandleReleaser
 from gateway.turns.outcome import TurnOutcome
 from gateway.turns.prefill_leg import PrefillLeg
 from gateway.turns.push_leg import PushLeg
+from gateway.turns.reuse import headroom
 from gateway.turns.reuse import plan as plans
 from gateway.turns.reuse.lookup import How
 from gateway.turns.reuse.cost import TurnShape
@@ -147,7 +148,10 @@ class TurnRunner:
         handle lives for D's decoder TTL instead): the gap before this turn is the guess for the next one."""
         prompt = len(turn.req.prompt_ids)
         hit = plans.local_hit(turn.plan, prompt, record.block_size)
-        bound = self.settings.local_prefill_max_tokens
+        s = self.settings
+        turn.headroom = headroom.for_decode(turn.decode, s.local_prefill_max_tokens, s.local_itl_budget_ms,
+                                            self.rates.any_prefill_rate()) if turn.decode is not None else None
+        bound = turn.headroom.bound if turn.headroom is not None else 0
         fits = (0 < prompt - hit <= bound and turn.decode is not None and turn.decode.url == record.decode_engine
                 and turn.plan.kind in (PlanKind.REUSE, PlanKind.PARTIAL))
         lease_short = fits and time.time() - record.updated_at > self.settings.lease_ttl_s

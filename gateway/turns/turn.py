@@ -16,6 +16,7 @@ from gateway.turns.intake.request import TurnRequest
 from gateway.turns.legs.calls import LegSetback
 from gateway.turns.legs.pair import PushPair
 from gateway.turns.reuse import plan as plans
+from gateway.turns.reuse.headroom import Headroom
 from gateway.turns.reuse.lookup import How
 from gateway.turns.reuse.plan import Leg, Plan, Reason, Replan
 from gateway.turns.state.state import Served
@@ -48,6 +49,8 @@ class Turn:
     how: How = How.NEW                                 # how its conversation was found (X-PD-Conversation)
     held_back: list[tuple[kv.Handle, str]] = field(default_factory=list)   # releases sent once D has answered
     pair: PushPair | None = None                       # push mode: the pair its legs belong to now
+    headroom: Headroom | None = None                   # the local bound and what D's load made it (logged)
+    local_prefill: tuple[Engine, int] | None = None    # a local leg's tokens counted on its D until its first token
 
     def take(self, setback: LegSetback, step: Replan) -> None:
         """Apply the planner's answer to a setback: exclude the engine, spend a retry (or give up)."""

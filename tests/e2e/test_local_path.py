@@ -21,9 +21,12 @@ def topic(i: int) -> str:
     return f"Question {i}: what should a careful engineer check before shipping change number {i} to users?"
 
 
+CAP = 512       # the local path's cap here: a ~1000-token question is over it whatever D's headroom
+
+
 @pytest.fixture(scope="module")
 def pd():
-    with stack(sim=LONG_ANSWERS, local=True, decodes=2) as s:
+    with stack(sim=LONG_ANSWERS, local=True, decodes=2, gateway=["--local-prefill-max-tokens", str(CAP)]) as s:
         yield s
 
 
@@ -60,12 +63,25 @@ def test_short_suffixes_are_computed_by_the_holder_alone(pd):
 def test_a_suffix_over_the_bound_takes_the_p_path(pd):
     chat = Chat(pd, uuid.uuid4().hex)
     chat.say(topic(0))
-    long_question = " ".join(f"word{i} and more words to read" for i in range(120))   # far over 256 tokens
+    long_question = " ".join(f"word{i} and more words to read" for i in range(120))   # far over the cap
     turn = chat.say(long_question)
     assert (turn.plan, turn.reason) == ("reuse", "continuous") and turn.text == turn.expected
     turn = chat.say(topic(2))          # and the turn after reads what that P path left on D
     assert turn.plan == "local" and turn.text == turn.expected
     assert pd.total("kv_reads_corrupt") == 0
+
+
+def test_an_idle_d_computes_a_long_suffix_itself():
+    """With the defaults the bound is D's headroom (turns/reuse/headroom.py): a D running nothing gets the whole
+    cap, so a ~1000-token question goes local, not through P; the turn's log line says why."""
+    with stack(sim=LONG_ANSWERS, local=True) as s:
+        chat = Chat(s, uuid.uuid4().hex)
+        chat.say(topic(0))
+        turn = chat.say(" ".join(f"word{i} and more words to read" for i in range(120)))
+        assert (turn.plan, turn.reason) == ("local", "short_suffix") and turn.text == turn.expected
+        assert turn.prompt_tokens - turn.reused > 512
+        assert "local_bound=8192 d_streams=0" in s.gateway.log()
+        assert s.total("kv_reads_corrupt") == 0
 
 
 def test_sessionless_turns_go_local_too(pd):

@@ -1,0 +1,63 @@
+"""How many new prompt tokens the holder D may compute itself on a warm turn (the local path), from D's headroom
+rather than a constant (issue 36).
+
+A local prefill shares D's engine steps with the streams D is decoding: vLLM schedules the running decodes first
+and fills the rest of a step with prefill tokens (chunked prefill, vllm/v1/core/sched/scheduler.py), so every step
+that carries prefill tokens lasts longer by about `tokens / prefill rate`, and the streams' inter-token latency
+grows by that much. The gateway therefore lets D hold at most `itl_budget_s x prefill rate` local prefill tokens in
+flight at once while D has streams running, and the whole cap while it has none (nothing to slow). A D whose own
+queue is not empty gets the floor only: what it would prefill waits behind others, and P is free. The prefill rate
+is the one the gateway learns from P's legs (D runs the same model on the same kind of engine); until one is
+known, the floor.
+
+Pure: the runner hands it what it knows of D and logs the result with the turn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.engines.engine import Engine
+
+FLOOR_TOKENS = 256      # always local: one short chunk costs D's streams a few ms (bench/GPU-RESULTS.md, ITL)
+
+
+@dataclass(frozen=True)
+class Headroom:
+    bound: int                  # new tokens this turn may compute on D
+    streams: int                # streams running on D (this gateway's, or D's /metrics if it counts more)
+    waiting: int                # requests waiting in D's queue (D's /metrics)
+    in_flight: int              # local prefill tokens sent to D whose first token has not come back
+    budget_tokens: int          # the ITL budget as prefill tokens at the learned rate (0: no rate known)
+
+    def fields(self) -> dict[str, int]:
+        """For the turn's log line."""
+        return {"local_bound": self.bound, "d_streams": self.streams, "d_waiting": self.waiting,
+                "d_local_in_flight": self.in_flight, "local_budget_tokens": self.budget_tokens}
+
+
+def local_bound(cap: int, itl_budget_s: float, prefill_tokens_per_s: float | None, *, streams: int, waiting: int,
+                in_flight: int) -> Headroom:
+    """The local bound for a turn whose D runs `streams` streams, queues `waiting` requests and is prefilling
+    `in_flight` local tokens already; `cap` (the setting) bounds it always, 0 turns the local path off."""
+    budget = int(itl_budget_s * prefill_tokens_per_s) if prefill_tokens_per_s else 0
+    floor = min(cap, FLOOR_TOKENS)
+    if cap <= 0:
+        bound = 0
+    elif waiting > 0:
+        bound = floor
+    elif streams == 0 and in_flight == 0:
+        bound = cap
+    else:
+        bound = min(cap, max(floor, budget - in_flight))
+    return Headroom(bound, streams, waiting, in_flight, budget)
+
+
+def for_decode(decode: Engine, cap: int, itl_budget_ms: float, prefill_tokens_per_s: float | None) -> Headroom:
+    """`local_bound` from what the gateway knows of `decode`: its own streams and local prefills in flight there,
+    and D's running and waiting requests as its /metrics last said (the health loop's scrape)."""
+    dp = decode.data_plane
+    streams = max(decode.outstanding_requests, int(dp.requests_running or 0) if dp else 0)
+    waiting = int(dp.requests_waiting or 0) if dp else 0
+    return local_bound(cap, itl_budget_ms / 1000, prefill_tokens_per_s, streams=streams, waiting=waiting,
+                       in_flight=decode.local_prefill_tokens)

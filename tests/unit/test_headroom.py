@@ -1,0 +1,41 @@
+"""The local bound from D's headroom (turns/reuse/headroom.py, issue 36)."""
+
+from __future__ import annotations
+
+from gateway.engines.dataplane import DataPlane
+from gateway.engines.engine import Engine
+from gateway.turns.reuse.headroom import FLOOR_TOKENS, for_decode, local_bound
+
+RATE = 50_000.0          # tokens/s: an H200's prefill of the bench model
+
+
+def test_an_idle_d_gets_the_whole_cap():
+    assert local_bound(8192, 0.02, RATE, streams=0, waiting=0, in_flight=0).bound == 8192
+
+
+def test_streams_bound_it_by_the_itl_budget_at_the_learned_rate():
+    room = local_bound(8192, 0.02, RATE, streams=12, waiting=0, in_flight=0)
+    assert room.budget_tokens == 1000 and room.bound == 1000
+
+
+def test_local_prefills_in_flight_use_up_the_budget_down_to_the_floor():
+    assert local_bound(8192, 0.02, RATE, streams=3, waiting=0, in_flight=600).bound == 400
+    assert local_bound(8192, 0.02, RATE, streams=3, waiting=0, in_flight=5000).bound == FLOOR_TOKENS
+
+
+def test_a_queueing_d_gets_the_floor_and_no_rate_means_the_floor():
+    assert local_bound(8192, 0.02, RATE, streams=0, waiting=2, in_flight=0).bound == FLOOR_TOKENS
+    assert local_bound(8192, 0.02, None, streams=4, waiting=0, in_flight=0).bound == FLOOR_TOKENS
+
+
+def test_the_cap_bounds_everything_and_zero_is_off():
+    assert local_bound(128, 0.02, RATE, streams=4, waiting=0, in_flight=0).bound == 128
+    assert local_bound(0, 0.02, RATE, streams=0, waiting=0, in_flight=0).bound == 0
+
+
+def test_for_decode_reads_the_engine_and_its_last_scrape():
+    d = Engine("http://d", "decode", outstanding_requests=2, local_prefill_tokens=300)
+    d.data_plane = DataPlane(requests_running=9.0, requests_waiting=0.0)
+    room = for_decode(d, 8192, 20.0, RATE)
+    assert (room.streams, room.in_flight, room.bound) == (9, 300, 700)
+    assert set(room.fields()) == {"local_bound", "d_streams", "d_waiting", "d_local_in_flight", "local_budget_tokens"}
