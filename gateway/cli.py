@@ -204,6 +204,21 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
+def hash_key(argv: list[str]) -> None:
+    """The key comes on stdin, never as an argument: arguments show in `ps` and in shell history."""
+    from gateway.api.auth import digest
+
+    parser = argparse.ArgumentParser(
+        prog="pd-gateway hash-key", description="Read one API key from stdin (its first line) and print its "
+        "SHA-256 hex digest, for serve's --api-keys TENANT:DIGEST or --api-keys-file.",
+        epilog="example: printf %s \"$KEY\" | pd-gateway hash-key")
+    parser.parse_args(argv)
+    key = sys.stdin.readline().strip()
+    if not key:
+        raise SystemExit("pd-gateway hash-key: no key on stdin (an empty key would let any empty bearer token in)")
+    print(digest(key))
+
+
 def usage() -> str:
     options = {"-h, --help": "this list", "--version": "print the version"}
     width = max(map(len, [*COMMANDS, *options]))
@@ -225,7 +240,10 @@ def version() -> str:
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     command, rest = (argv[0], argv[1:]) if argv else ("", [])
-    if command in ("", "-h", "--help", "help"):
+    if command == "":                        # a command is required: usage on stderr, exit 2 (as argparse does)
+        print(usage(), file=sys.stderr)
+        raise SystemExit(2)
+    if command in ("-h", "--help", "help"):
         print(usage())
     elif command == "--version":
         print(f"pd-gateway {version()}")
@@ -240,9 +258,7 @@ def main(argv: list[str] | None = None) -> None:
 
         demo_main(rest)
     elif command == "hash-key":
-        from gateway.api.auth import digest
-
-        print(digest(sys.stdin.readline().strip()))
+        hash_key(rest)
     elif command == "migrate":
         migrate(rest)
     elif command == "check":
