@@ -258,6 +258,7 @@ def test_vllm_engines_run_the_official_image_with_the_stream_plugin():
     copies = {tuple(rest.split()) for step, *rest in steps if step == "COPY" for rest in rest}
     for source, _ in copies:
         assert (ROOT / build["context"] / source).exists(), source
+        assert not dockerignored(source), f"{source} is left out of the build context by .dockerignore"
     assert ("plugins/vllm-pdgw-stream", "/opt/pdgw/vllm-pdgw-stream") in copies
     assert "install --system --no-deps /opt/pdgw/vllm-pdgw-stream" in dockerfile
     plugin = _toml(ROOT / "plugins/vllm-pdgw-stream/pyproject.toml")
@@ -265,6 +266,27 @@ def test_vllm_engines_run_the_official_image_with_the_stream_plugin():
     assert "'pdgw_stream'" in dockerfile                        # the build fails if vLLM would not find it
     entry = SERVICES["decode"]["entrypoint"]
     assert ("deploy/vllm-serve.sh", entry[1]) in copies and f'ENTRYPOINT ["/bin/sh", "{entry[1]}"]' in dockerfile
+
+
+def dockerignored(path: str) -> bool:
+    """Docker's rule: the last .dockerignore pattern matching the path or a folder above it decides (`!`: kept)."""
+    import fnmatch
+
+    ignored = False
+    parts = path.split("/")
+    for line in (ROOT / ".dockerignore").read_text().splitlines():
+        pattern = line.strip()
+        if not pattern or pattern.startswith("#"):
+            continue
+        keep, pattern = pattern.startswith("!"), pattern.lstrip("!")
+        if any(fnmatch.fnmatch("/".join(parts[:i]), pattern) for i in range(1, len(parts) + 1)):
+            ignored = not keep
+    return ignored
+
+
+def test_the_dockerignore_rule_as_docker_reads_it():
+    assert dockerignored("deploy/prometheus.yml") and dockerignored("tests/unit/x.py")
+    assert not dockerignored("deploy/vllm-serve.sh") and not dockerignored("plugins/vllm-pdgw-stream")
 
 
 def _toml(path: Path) -> dict[str, Any]:
