@@ -178,6 +178,8 @@ def _reload_on_sighup(registry: EngineRegistry, reload: Callable[[], Settings]) 
         except (SystemExit, ValueError) as exc:       # a bad file keeps the running configuration
             log.error("configuration reload refused: %s", exc)
             return
+        for pool in registry.pools.values():      # engines joining now get the names the reloaded file gives
+            pool.names.update(engine_names(fresh))
         log.warning("configuration reloaded: %s", await registry.sync(fresh.prefill, fresh.decode))
 
     def on_signal() -> None:

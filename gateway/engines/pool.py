@@ -13,7 +13,7 @@ class EnginePool:
         self.role = role
         self.engines: dict[str, Engine] = {}
         self._picker = routing.Picker(role)
-        self._names, self._added = names or {}, 0
+        self.names, self._added = dict(names or {}), 0      # URL → configured name (a reload may add some)
         for url in urls:
             self.add(url)
 
@@ -22,7 +22,7 @@ class EnginePool:
         given twice), so labels carry no host or port and stay the same for the engine's life."""
         url = url.rstrip("/")
         if url not in self.engines:
-            self.engines[url] = Engine(url, self.role, self._names.get(url) or f"{self.role}-{self._added}")
+            self.engines[url] = Engine(url, self.role, self.names.get(url) or f"{self.role}-{self._added}")
             self._added += 1
         return self.engines[url]
 

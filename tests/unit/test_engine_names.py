@@ -16,6 +16,8 @@ def test_configured_names_win_and_the_rest_are_numbered_in_order():
     pool.remove("http://10.0.0.4:8100")
     assert pool.add("http://10.0.0.7:8100").name == "prefill-3"          # a number is never given twice
     assert pool.add("http://10.0.0.6:8100").name == "prefill-2"          # known: the same engine
+    pool.names.update({"http://10.0.0.8:8100": "p-west"})                # a reloaded configuration's names
+    assert pool.add("http://10.0.0.8:8100").name == "p-west"
 
 
 def test_a_url_never_becomes_a_label():
