@@ -230,7 +230,8 @@ def hash_key(argv: list[str]) -> None:
     parser.parse_args(argv)
     key = sys.stdin.readline().strip()
     if not key:
-        raise SystemExit("pd-gateway hash-key: no key on stdin (an empty key would let any empty bearer token in)")
+        raise SystemExit("pd-gateway hash-key: no key on stdin (an empty key cannot authenticate anyone); "
+                         "example: printf %s \"$KEY\" | pd-gateway hash-key")
     print(digest(key))
 
 

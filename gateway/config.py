@@ -118,6 +118,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for name in ("prefill", "decode"):
             for url in getattr(self, name):
                 _check_url(name, url, ("http", "https"))
+        if self.metrics_port is not None and self.metrics_port == self.port:
+            raise ValueError("metrics_port: must differ from port (the metrics listener is a second socket)")
         for entry in self.engine_names:
             if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}=\S+", entry):
                 raise ValueError(f"engine_names: {entry!r} is not NAME=URL (NAME: letters, digits, _ . -)")

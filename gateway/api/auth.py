@@ -37,8 +37,8 @@ class ApiKeys:
             if match is None:
                 raise ValueError("api_keys: each entry must be TENANT:SHA256-HEX (see `pd-gateway hash-key`)")
             if match.group(2).lower() == _EMPTY:
-                raise ValueError(f"api_keys: tenant {match.group(1)}'s digest is that of an empty key, which any "
-                                 "request without a key would match")
+                raise ValueError(f"api_keys: tenant {match.group(1)}'s digest is that of an empty key: no request "
+                                 "can present it (hash the key itself: `pd-gateway hash-key`)")
             tenants[match.group(2).lower()] = match.group(1)
         return cls(tenants)
 

@@ -11,9 +11,8 @@ from litestar.di import NamedDependency
 
 from gateway.api import operational
 from gateway.api.auth import ApiKeys
-from gateway.config import Settings
-
 from gateway.api.schemas import ChatRequest, CompletionRequest
+from gateway.config import Settings
 
 _REF = "#/components/schemas/{name}"
 _ERROR = {

@@ -33,3 +33,9 @@ def test_a_url_never_becomes_a_label():
 def test_a_malformed_name_is_refused(entry):
     with pytest.raises(ConfigError, match="engine_names"):
         build({"engine_names": [entry]}, environ={})
+
+
+def test_the_metrics_port_is_a_second_port():
+    with pytest.raises(ConfigError, match="metrics_port"):
+        build({"port": 8000, "metrics_port": 8000}, environ={})
+    assert build({"port": 8000, "metrics_port": 9100}, environ={}).metrics_port == 9100
