@@ -110,7 +110,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def _headers_late(self) -> None:
         self._deadline = None
         if self.cycle is not None and not self.cycle.response_complete:
-            return      # a response in progress (a stream): the next request's timer starts at its first byte
+            # a response in progress (a stream) with the next request's first bytes behind it (pipelined): that
+            # request's headers are timed again once this one is answered, not cut off in the middle of it
+            self._arm(self.limits.header_timeout_s, self._headers_late)
+            return
         self._refuse(408, "Request Timeout", f"the request's headers did not arrive within "
                      f"{self.limits.header_timeout_s:g} s", "request_timeout")
 
