@@ -1,5 +1,6 @@
 # One image for every pd-gateway process: the gateway (`serve`), the simulated engines (`sim`), `migrate`,
-# `check`. Real vLLM engines use the official vllm/vllm-openai image (see compose.yaml, profile vllm).
+# `check`. Real vLLM engines run the official vllm/vllm-openai image plus the stream plugin (deploy/vllm.Dockerfile,
+# compose.yaml profile vllm).
 FROM python:3.12-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \

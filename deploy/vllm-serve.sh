@@ -1,5 +1,5 @@
 #!/bin/sh
-# One vLLM engine of a P/D pair with the NIXL connector and bidirectional transfer (PROTOCOL.md §1).
+# One vLLM engine of a P/D pair with the NIXL connector and bidirectional transfer (docs/protocol.md §1).
 # Input, from the environment (deploy/pd.env plus the service's own):
 #   PD_ROLE              prefill | decode
 #   PD_ENGINE_ID         this engine's id in handles

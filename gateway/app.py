@@ -17,11 +17,12 @@ from litestar.di import Provide
 
 from gateway.api.admin import ADMIN_ROUTES
 from gateway.api.auth import ApiKeys
+from gateway.api.operational import metrics_listener
 from gateway.api.errors import HANDLERS
 from gateway.api.messages_routes import MESSAGES_ROUTES
 from gateway.api.responses_routes import RESPONSES_ROUTES
 from gateway.api.routes import ROUTES, Gateway
-from gateway.config import Settings
+from gateway.config import Settings, engine_names
 from gateway.engines.client import EngineClient
 from gateway.engines.health import HealthChecker
 from gateway.engines.pool import EnginePool
@@ -66,7 +67,7 @@ def create_app(settings: Settings, tracing: Tracing | None = None,
         exception_handlers=HANDLERS,
         state=State({"api_keys": ApiKeys.from_settings(settings), "settings": settings}),
         dependencies={name: Provide(_from_state(name), sync_to_thread=False) for name in _PROVIDED},
-        middleware=tracing.middleware(),
+        middleware=[metrics_listener(settings.metrics_port), *tracing.middleware()],
         lifespan=[lambda app: _lifespan(app, settings, tracing, reload)],
         request_max_body_size=settings.max_body_bytes,
         logging_config=None,         # telemetry.setup_logging owns the root logger (text or JSON)
@@ -84,7 +85,8 @@ async def _lifespan(app: Litestar, settings: Settings, tracing: Tracing,
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         client = EngineClient(session)
-        prefill, decode = EnginePool("prefill", settings.prefill), EnginePool("decode", settings.decode)
+        names = engine_names(settings)
+        prefill, decode = EnginePool("prefill", settings.prefill, names), EnginePool("decode", settings.decode, names)
         store = open_store(settings.redis_url, settings.conversation_ttl_s)
         health = HealthChecker(client, [prefill, decode], state.metrics, settings.health_interval_s)
         await health.check_all()
@@ -176,6 +178,8 @@ def _reload_on_sighup(registry: EngineRegistry, reload: Callable[[], Settings]) 
         except (SystemExit, ValueError) as exc:       # a bad file keeps the running configuration
             log.error("configuration reload refused: %s", exc)
             return
+        for pool in registry.pools.values():      # engines joining now get the names the reloaded file gives
+            pool.names.update(engine_names(fresh))
         log.warning("configuration reloaded: %s", await registry.sync(fresh.prefill, fresh.decode))
 
     def on_signal() -> None:
@@ -198,5 +202,5 @@ async def _readiness(store: ConversationStore, prefill: EnginePool, decode: Engi
     engines_ok = bool(prefill.healthy()) and bool(decode.healthy())
     degraded = [] if store_ok else ["store_unavailable: turns are served stateless (plan full)"]
     store_name = "embedded" if store.kind == "memory" else store.kind      # as the report and the docs say
-    return {"ready": engines_ok, "store": store_name, "store_ok": store_ok, "degraded": degraded,
-            "prefill_healthy": len(prefill.healthy()), "decode_healthy": len(decode.healthy())}
+    # Open to anyone (load balancers, orchestrators): it says nothing of the engines beyond `ready`.
+    return {"ready": engines_ok, "store": store_name, "store_ok": store_ok, "degraded": degraded}

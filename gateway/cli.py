@@ -63,6 +63,17 @@ HELP = {
     "max_messages": "most messages a chat request may carry",
     "host": "listen address",
     "port": "listen port (0: any free port)",
+    "metrics_port": "serve /metrics and /openapi.json on this port of --host (open there, and only they and "
+                    "/health, /ready), not on --port; bind it where only Prometheus reaches",
+    "engine_names": "an engine's name in /metrics labels, as NAME=URL (repeatable); default: role and order "
+                    "(prefill-0, decode-1): labels never carry hosts or ports",
+    "header_timeout_s": "a client must send a request's headers within this of its first byte (or of connecting); "
+                        "then 408 and the connection is closed",
+    "body_timeout_s": "... and its whole body within this of its headers (a total); then 408 and closed",
+    "keep_alive_timeout_s": "an idle keep-alive connection is closed after this (longer than load balancers' idle "
+                            "timeouts, so the gateway is not the side closing as a request is written)",
+    "max_connections": "open client connections per replica above which new ones get 503 and are closed "
+                       "(default: the open-file limit less 256)",
 }
 
 
@@ -126,6 +137,7 @@ def parse_settings(argv: list[str], prog: str,
 
 def serve(argv: list[str]) -> None:
     from gateway.app import create_app
+    from gateway.connections import Limits, default_max_connections
     from gateway.serving import serve as run
     from gateway.telemetry import setup_logging
 
@@ -145,8 +157,11 @@ def serve(argv: list[str]) -> None:
     from gateway.startup import transfer_preflight
     if refusal := asyncio.run(transfer_preflight(settings)).refusal:   # a mixed pool: one line, not a start
         raise SystemExit(f"pd-gateway serve: refused: {refusal}")
+    limits = Limits(settings.header_timeout_s, settings.body_timeout_s,
+                    settings.max_connections or default_max_connections())
     try:
-        run(app, settings.host, settings.port, port_file=args.port_file, log_level=settings.log_level)
+        run(app, settings.host, settings.port, port_file=args.port_file, log_level=settings.log_level,
+            limits=limits, keep_alive_s=settings.keep_alive_timeout_s, metrics_port=settings.metrics_port)
     except OSError as exc:
         if exc.errno not in _LISTEN_ERRORS:
             raise
@@ -205,6 +220,22 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
+def hash_key(argv: list[str]) -> None:
+    """The key comes on stdin, never as an argument: arguments show in `ps` and in shell history."""
+    from gateway.api.auth import digest
+
+    parser = argparse.ArgumentParser(
+        prog="pd-gateway hash-key", description="Read one API key from stdin (its first line) and print its "
+        "SHA-256 hex digest, for serve's --api-keys TENANT:DIGEST or --api-keys-file.",
+        epilog="example: printf %s \"$KEY\" | pd-gateway hash-key")
+    parser.parse_args(argv)
+    key = sys.stdin.readline().strip()
+    if not key:
+        raise SystemExit("pd-gateway hash-key: no key on stdin (an empty key cannot authenticate anyone); "
+                         "example: printf %s \"$KEY\" | pd-gateway hash-key")
+    print(digest(key))
+
+
 def usage() -> str:
     options = {"-h, --help": "this list", "--version": "print the version"}
     width = max(map(len, [*COMMANDS, *options]))
@@ -226,7 +257,10 @@ def version() -> str:
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     command, rest = (argv[0], argv[1:]) if argv else ("", [])
-    if command in ("", "-h", "--help", "help"):
+    if command == "":                        # a command is required: usage on stderr, exit 2 (as argparse does)
+        print(usage(), file=sys.stderr)
+        raise SystemExit(2)
+    if command in ("-h", "--help", "help"):
         print(usage())
     elif command == "--version":
         print(f"pd-gateway {version()}")
@@ -241,9 +275,7 @@ def main(argv: list[str] | None = None) -> None:
 
         demo_main(rest)
     elif command == "hash-key":
-        from gateway.api.auth import digest
-
-        print(digest(sys.stdin.readline().strip()))
+        hash_key(rest)
     elif command == "migrate":
         migrate(rest)
     elif command == "check":

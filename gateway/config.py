@@ -66,8 +66,10 @@ class ConfigError(ValueError):
 class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prefill: list[str] = []
     decode: list[str] = []
+    engine_names: list[str] = []                  # "NAME=URL": an engine's label in /metrics (default: role-index)
     host: str = "0.0.0.0"
     port: Port = DEFAULT_PORT
+    metrics_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None  # /metrics, /openapi.json on their own
     redis_url: str | None = None
     tokenizer: str = DEFAULT_TOKENIZER
     chat_template: str | None = None
@@ -95,6 +97,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prefill_affinity_slack_tokens: int = 2048      # ... while within this many queued prompt tokens of the least loaded
     pd_headers: bool = True                        # X-PD-Plan / X-PD-Reason / X-PD-Reused-Tokens
     max_body_bytes: PositiveInt = 8 * 1024 * 1024
+    header_timeout_s: Seconds = 10.0               # slow clients (gateway/connections.py): headers after 1st byte
+    body_timeout_s: Seconds = 30.0                 # ... the whole body after the headers
+    keep_alive_timeout_s: Seconds = 75.0           # an idle keep-alive connection
+    max_connections: PositiveInt | None = None     # None: the open-file limit less what engines and store need
     connect_timeout_s: Seconds = 2.0
     prefill_timeout_s: Seconds = 120.0
     prefill_handle_timeout_s: Seconds = 15.0       # a P leg reading D's KV: then redone without the handle
@@ -117,6 +123,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for name in ("prefill", "decode"):
             for url in getattr(self, name):
                 _check_url(name, url, ("http", "https"))
+        if self.metrics_port is not None and self.metrics_port == self.port:
+            raise ValueError("metrics_port: must differ from port (the metrics listener is a second socket)")
+        for entry in self.engine_names:
+            if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}=\S+", entry):
+                raise ValueError(f"engine_names: {entry!r} is not NAME=URL (NAME: letters, digits, _ . -)")
         if self.redis_url is not None:
             _check_url("redis_url", self.redis_url, ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster"))
         if self.otlp_endpoint is not None:
@@ -143,6 +154,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         answer, and, the handle having no expiry, P never declines a late read of it, so the margin covers the
         longest a P leg with a handle may wait before it reads (`prefill_handle_timeout_s`) and vLLM's own."""
         return max(0.0, self.decode_kv_lease_s - self.prefill_handle_timeout_s - READ_DECLINE_MARGIN_S)
+
+
+def engine_names(settings: Settings) -> dict[str, str]:
+    """URL → the name it is shown by in metrics (`--engine-names NAME=URL`)."""
+    return {url.rstrip("/"): name for name, _, url in (e.partition("=") for e in settings.engine_names)}
 
 
 FIELDS: dict[str, Any] = {f.name: f.type for f in msgspec.structs.fields(Settings)}

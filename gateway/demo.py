@@ -57,29 +57,40 @@ async def chat_turn(http: aiohttp.ClientSession, url: str, session: str, message
                 "answer": "".join(text)}
 
 
-async def computed_on(http: aiohttp.ClientSession, engine: Server) -> int:
+async def counters(http: aiohttp.ClientSession, engine: Server) -> tuple[int, int]:
+    """The engine's prompt tokens prefilled and found in its prefix cache, so far."""
     async with http.get(engine.url + "/sim/stats") as resp:
-        return (await resp.json())["prompt_tokens_computed"]
+        stats = await resp.json()
+    return stats["prompt_tokens_computed"], stats["prompt_tokens_cached"]
 
 
-async def script(gateway: Server, prefill: Server) -> list[dict]:
+async def script(gateway: Server, prefill: Server, decode: Server) -> list[dict]:
+    """Each turn's prompt split by the engine that prefilled it, from its own counters: P on the P path, D alone
+    on a `local` turn (whose reused tokens are D's cache hits on the KV it held). reused + cached + computed =
+    prompt (D's one recomputed token after reading P's KV is the transfer's, not the prompt's)."""
     rows, messages = [], []
     async with aiohttp.ClientSession() as http:
         for question in QUESTIONS:
             messages.append({"role": "user", "content": question})
-            before = await computed_on(http, prefill)
+            before = {engine.url: await counters(http, engine) for engine in (prefill, decode)}
             row = await chat_turn(http, gateway.url, "demo-conversation", messages)
-            row["computed"] = await computed_on(http, prefill) - before
+            engine = decode if row["plan"] == "local" else prefill
+            (computed, cached), (computed_0, cached_0) = await counters(http, engine), before[engine.url]
+            row["on"], row["computed"] = "D" if engine is decode else "P", computed - computed_0
+            row["cached"] = cached - cached_0 - (row["reused"] if engine is decode else 0)
             messages.append({"role": "assistant", "content": row["answer"]})
             rows.append(row)
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'turn':>4}  {'plan':<8} {'reason':<16} {'prompt':>6} {'reused':>7} {'computed':>10} {'TTFT ms':>8}")
+    print(f"{'turn':>4}  {'plan':<8} {'reason':<16} {'prompt':>6} {'reused':>7} {'cached':>7} {'computed':>9} "
+          f"{'on':>3} {'TTFT ms':>8}")
     for i, row in enumerate(rows, 1):
         print(f"{i:>4}  {row['plan']:<8} {row['reason']:<16} {row['prompt']:>6} {row['reused']:>7} "
-              f"{row['computed']:>10} {row['ttft_ms']:>8.1f}")
+              f"{row['cached']:>7} {row['computed']:>9} {row['on']:>3} {row['ttft_ms']:>8.1f}")
+    print("\nprompt = reused (D's KV) + cached (the computing engine's prefix cache) + computed (prefilled on P, "
+          "or on D alone for a local turn)")
 
 
 class Stopped(Exception):
@@ -156,7 +167,7 @@ def run(args: argparse.Namespace, logs: Path, servers: list[Server]) -> None:
                     port=args.port if args.serve else 0, log_dir=logs, name="gateway", own_session=True)
     servers.append(gateway)
     print(f"gateway {gateway.url}  prefill {prefill.url}  decode {decode.url}  store: embedded\n")
-    print_table(asyncio.run(script(gateway, prefill)))
+    print_table(asyncio.run(script(gateway, prefill, decode)))
     if args.serve:
         print(f"\nserving on {gateway.url} (Ctrl-C stops). Try:\n  curl -s {gateway.url}/v1/chat/completions "
               "-H 'Content-Type: application/json' -H 'X-Session-Id: s1' "

@@ -69,6 +69,9 @@ class Histogram(_CachedLabels, _Histogram):
 
 class Metrics:
     def __init__(self) -> None:
+        # Engines are labelled by name, never by URL: /metrics must not show hosts and ports (issue 38). The
+        # health loop fills this for every engine of the pools (Engine.name).
+        self.engine_names: dict[str, str] = {}
         self.registry = CollectorRegistry()
         r = self.registry
         self.turns = Counter("pdgw_turns", "Turns by plan and reason", ["plan", "reason"], registry=r)
@@ -118,10 +121,13 @@ class Metrics:
             "pdgw_push_decode_aborts", "Push mode: D legs the gateway aborted while D waited for P's WRITE, by why "
             "(prefill_failed and no_write may leave D's blocks held: vLLM frees them only on a WRITE)", ["reason"],
             registry=r)
-        self.learned_rates = LearnedRates()
+        self.learned_rates = LearnedRates(self.engine_label)
         r.register(self.learned_rates)
         self.engine_data_plane = EngineDataPlane()
         r.register(self.engine_data_plane)
+
+    def engine_label(self, url: str) -> str:
+        return self.engine_names.get(url, "unnamed") if url else url
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -131,15 +137,16 @@ class LearnedRates:
     """`pdgw_learned_rate_tokens_per_second{rate, prefill, decode}`: the cost plan's rates (P's prefill, P reading
     D's KV), read from `source` at scrape time so the turns that update them pay nothing."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: Callable[[str], str] = str) -> None:
         self.source: Callable[[], list[tuple[str, str, str, float]]] = list
+        self._name = name            # engine URL → its label
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily("pdgw_learned_rate_tokens_per_second",
                                    "The cost plan's learned rates: P's prefill, P reading D's KV",
                                    labels=["rate", "prefill", "decode"])
         for rate, prefill, decode, value in self.source():
-            family.add_metric([rate, prefill, decode], value)
+            family.add_metric([rate, self._name(prefill), self._name(decode)], value)
         yield family
 
 
@@ -197,7 +204,7 @@ ENGINE_FAMILIES = (
 
 class EngineDataPlane:
     """`pdgw_engine_*{pool, engine}`: each engine's data plane as last scraped, read from `source` at scrape time:
-    (pool, engine URL, readings) with the ENGINE_FAMILIES attributes (None: not reported by that engine)."""
+    (pool, engine name, readings) with the ENGINE_FAMILIES attributes (None: not reported by that engine)."""
 
     def __init__(self) -> None:
         self.source: Callable[[], Iterable[tuple[str, str, Any]]] = list

@@ -17,6 +17,9 @@ def digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+_EMPTY = digest("")
+
+
 class ApiKeys:
     def __init__(self, tenants_by_digest: dict[str, str]) -> None:
         self._tenants = tenants_by_digest
@@ -33,6 +36,9 @@ class ApiKeys:
             match = _ENTRY.fullmatch(line)
             if match is None:
                 raise ValueError("api_keys: each entry must be TENANT:SHA256-HEX (see `pd-gateway hash-key`)")
+            if match.group(2).lower() == _EMPTY:
+                raise ValueError(f"api_keys: tenant {match.group(1)}'s digest is that of an empty key: no request "
+                                 "can present it (hash the key itself: `pd-gateway hash-key`)")
             tenants[match.group(2).lower()] = match.group(1)
         return cls(tenants)
 

@@ -6,9 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from litestar import get
+from litestar import Request, get
+from litestar.di import NamedDependency
 
+from gateway.api import operational
+from gateway.api.auth import ApiKeys
 from gateway.api.schemas import ChatRequest, CompletionRequest
+from gateway.config import Settings
 
 _REF = "#/components/schemas/{name}"
 _ERROR = {
@@ -59,5 +63,7 @@ DOCUMENT = msgspec.json.encode(build())
 
 
 @get("/openapi.json", media_type="application/json")
-async def openapi_json() -> bytes:
+async def openapi_json(request: Request, settings: NamedDependency[Settings],
+                       api_keys: NamedDependency[ApiKeys]) -> bytes:
+    operational.authorize(request, settings, api_keys)
     return DOCUMENT

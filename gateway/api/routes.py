@@ -13,6 +13,7 @@ from litestar import Request, Response, get, post
 from litestar.response.base import ASGIResponse
 from litestar.types import ASGIApp, Receive, Scope, Send
 
+from gateway.api import operational
 from gateway.api.auth import ApiKeys
 from gateway.api.events import EventStream
 from gateway.api.openapi import openapi_json
@@ -65,7 +66,9 @@ async def ready(readiness: NamedDependency[Readiness]) -> Response:
 
 
 @get("/metrics", media_type="text/plain; version=0.0.4")
-async def metrics(metrics: NamedDependency[Metrics]) -> bytes:
+async def metrics(request: Request, metrics: NamedDependency[Metrics], settings: NamedDependency[Settings],
+                  api_keys: NamedDependency[ApiKeys]) -> bytes:
+    operational.authorize(request, settings, api_keys)
     return metrics.render()
 
 

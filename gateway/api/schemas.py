@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.api import jsontext
+from gateway.api import jsontext, ranges
 from gateway.errors import InvalidRequestError
 from gateway.turns.intake.messages import KnownMessage, MessageCache, Messages
 
@@ -85,6 +85,7 @@ def parse(raw: bytes, schema: type[msgspec.Struct], *, cache: MessageCache | Non
         parsed.messages = [known.struct for known in messages.known]
         body["messages"] = messages
     _check(parsed)
+    ranges.check(body)
     return body, parsed
 
 

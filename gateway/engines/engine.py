@@ -46,6 +46,7 @@ class Breaker:
 class Engine:
     url: str
     role: Role
+    name: str = ""                  # its label in metrics: configured, else role-index (never its URL)
     healthy: bool = True
     outstanding_requests: int = 0
     outstanding_tokens: int = 0

@@ -58,7 +58,8 @@ class HealthChecker:
                     for hook in self.on_readmit:
                         hook(engine)
             engine.healthy = ok
-            self._metrics.engine_healthy.labels(engine.role, engine.url).set(int(ok))
+            self._metrics.engine_names[engine.url] = engine.name
+            self._metrics.engine_healthy.labels(engine.role, engine.name).set(int(ok))
         await self._scrape(engines)
 
     async def _scrape(self, engines: list[Engine]) -> None:
@@ -85,7 +86,7 @@ class HealthChecker:
 
     def _readings(self) -> list[tuple[str, str, dataplane.DataPlane]]:
         """For `pdgw_engine_*` at scrape time: the engines of the pools now, with their last readings."""
-        return [(e.role, e.url, e.data_plane) for pool in self._pools for e in pool.engines.values()
+        return [(e.role, e.name, e.data_plane) for pool in self._pools for e in pool.engines.values()
                 if e.data_plane is not None]
 
     async def run(self) -> None:

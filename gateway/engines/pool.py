@@ -9,16 +9,22 @@ from gateway.engines.engine import Engine, Role
 
 
 class EnginePool:
-    def __init__(self, role: Role, urls: list[str]) -> None:
+    def __init__(self, role: Role, urls: list[str], names: dict[str, str] | None = None) -> None:
         self.role = role
         self.engines: dict[str, Engine] = {}
         self._picker = routing.Picker(role)
+        self.names, self._added = dict(names or {}), 0      # URL → configured name (a reload may add some)
         for url in urls:
             self.add(url)
 
     def add(self, url: str) -> Engine:
+        """An engine's metrics name: the configured one, else role and the order it joined in (a number never
+        given twice), so labels carry no host or port and stay the same for the engine's life."""
         url = url.rstrip("/")
-        return self.engines.setdefault(url, Engine(url, self.role))
+        if url not in self.engines:
+            self.engines[url] = Engine(url, self.role, self.names.get(url) or f"{self.role}-{self._added}")
+            self._added += 1
+        return self.engines[url]
 
     def remove(self, url: str) -> Engine | None:
         """In-flight turns keep their Engine object; only new picks stop seeing it."""

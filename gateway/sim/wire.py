@@ -7,9 +7,14 @@ because vLLM's shapes depend on which keys are present and which are `null`, and
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+
+
+# vLLM's protocol models: `seed: int | None = Field(None, ge=_INT64_MIN, le=_INT64_MAX)` (entrypoints/openai/
+# chat_completion/protocol.py:238, completion/protocol.py:66): a seed outside int64 is a 400, not a failed request.
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 
 class StreamOptions(msgspec.Struct):
@@ -23,7 +28,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     temperature: float | None = None
     n: int = 1
     stream: bool = False

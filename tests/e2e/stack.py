@@ -51,8 +51,12 @@ class Stack:
             time.sleep(0.05)
 
     def metric(self, name: str, **labels: str) -> float:
-        """One sample of the gateway's /metrics (0 when absent)."""
-        text = urllib.request.urlopen(self.gateway.url + "/metrics", timeout=5).read().decode()
+        """One sample of the gateway's /metrics (0 when absent); with an admin key configured, sent with it."""
+        args = self.gateway.args
+        key = args[args.index("--admin-key") + 1] if "--admin-key" in args else None
+        request = urllib.request.Request(self.gateway.url + "/metrics",
+                                         headers={"Authorization": f"Bearer {key}"} if key else {})
+        text = urllib.request.urlopen(request, timeout=5).read().decode()
         want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
         for line in text.splitlines():
             name_part, _, value = line.rpartition(" ")

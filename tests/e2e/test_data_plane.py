@@ -21,8 +21,10 @@ ADMIN = "dp-admin"
 LONG = "Tell me about the river and the stone, and the bridge over the valley. " * 12   # > recompute threshold
 
 
-def scrape(url: str) -> str:
-    return urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+def scrape(url: str, admin: str | None = ADMIN) -> str:
+    """With a key configured, /metrics needs the admin key (docs/operations.md#paths-and-who-may-call-them)."""
+    request = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {admin}"} if admin else {})
+    return urllib.request.urlopen(request, timeout=5).read().decode()
 
 
 def transfers(text: str, pool: str, engine: str) -> float:
@@ -43,15 +45,18 @@ def test_every_engines_data_plane_on_the_gateways_metrics_and_admin_api():
             messages += [{"role": "assistant", "content": answer.choices[0].message.content},
                          {"role": "user", "content": question}]
         p, d = s.prefill[0].url, s.decode[0].url
+        p_name, d_name = "prefill-0", "decode-0"        # labels name engines, never by URL (issue 38)
         # D read P's KV on both turns, P read D's on the second: each reader's NIXL time, per engine
-        s.wait_until(lambda: transfers(scrape(s.gateway.url), "decode", d) >= 2
-                     and transfers(scrape(s.gateway.url), "prefill", p) >= 1, timeout_s=15)
+        s.wait_until(lambda: transfers(scrape(s.gateway.url), "decode", d_name) >= 2
+                     and transfers(scrape(s.gateway.url), "prefill", p_name) >= 1, timeout_s=15)
         text = scrape(s.gateway.url)
         families = {f.name: f for f in text_string_to_metric_families(text)}
         for _, name, kind, _ in ENGINE_FAMILIES:
             family = families[name.removesuffix("_total")]
             assert family.type == kind
-            assert {(x.labels["pool"], x.labels["engine"]) for x in family.samples} == {("prefill", p), ("decode", d)}
+            assert {(x.labels["pool"], x.labels["engine"]) for x in family.samples} == \
+                {("prefill", p_name), ("decode", d_name)}
+        assert "127.0.0.1" not in text
         assert "pdgw_turn_seconds" in families and "pdgw_gateway_seconds" in families     # beside per-leg timings
         request = urllib.request.Request(s.gateway.url + "/admin/engines",
                                          headers={"Authorization": f"Bearer {ADMIN}"})
@@ -75,9 +80,10 @@ def get_json_request(request: urllib.request.Request) -> dict:
 
 def test_an_engine_that_stops_answering_drops_its_readings():
     with stack() as s:
-        d = s.decode[0].url
-        s.wait_until(lambda: f'pdgw_engine_kv_cache_usage_ratio{{engine="{d}",pool="decode"}}' in scrape(s.gateway.url))
+        d = "decode-0"
+        s.wait_until(lambda: f'pdgw_engine_kv_cache_usage_ratio{{engine="{d}",pool="decode"}}' in
+                     scrape(s.gateway.url, None))
         s.decode[0].stop()
         s.wait_until(lambda: f'engine="{d}",pool="decode"}}' not in "\n".join(    # nothing stale is served
-            line for line in scrape(s.gateway.url).splitlines()
+            line for line in scrape(s.gateway.url, None).splitlines()
             if line.startswith("pdgw_engine_") and not line.startswith("pdgw_engine_healthy")), timeout_s=20)

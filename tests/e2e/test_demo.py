@@ -23,9 +23,13 @@ def test_demo_prints_its_table_quickly(tmp_path):
     rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:1].isdigit()]
     # the demo's questions are short: D alone computes each later turn's suffix (the local path)
     assert [r[1:3] for r in rows] == [["full", "first_turn"]] + [["local", "short_suffix"]] * 5
-    for row in rows[1:]:
-        prompt, reused, computed = int(row[3]), int(row[4]), int(row[5])
-        assert computed <= prompt - reused + 16       # only the new suffix (plus at most a block), on D
+    for i, row in enumerate(rows):
+        prompt, reused, cached, computed, engine = int(row[3]), int(row[4]), int(row[5]), int(row[6]), row[7]
+        assert reused + cached + computed == prompt, row          # the columns add up (issue 38)
+        if i:   # D alone computed the new suffix (plus at most a block), counted on D: it once read P's counters
+            assert engine == "D" and 0 < computed <= prompt - reused + 16, row
+        else:
+            assert engine == "P" and computed == prompt, row
     assert f"component logs: {logs}/" in out.stdout
     assert {p.name for p in logs.glob("*.log")} == {"prefill.log", "decode.log", "gateway.log"}
 

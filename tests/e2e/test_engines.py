@@ -31,7 +31,7 @@ def test_conversations_stay_on_their_d_and_survive_losing_it():
         requests = [s.stats(d)["requests_total"] for d in s.decode]
         assert min(requests) >= 4           # least-loaded spread the first turns; affinity kept the rest
         s.decode[0].stop()
-        s.wait_until(lambda: s.metric("pdgw_engine_healthy", pool="decode", engine=s.decode[0].url) == 0)
+        s.wait_until(lambda: s.metric("pdgw_engine_healthy", pool="decode", engine="decode-0") == 0)
         for chat in chats:
             turn = chat.say(question(9))
             assert turn.text == turn.expected

@@ -32,7 +32,7 @@ def test_idle_handles_are_evicted_and_their_next_turns_say_so(small_d):
     chats = [Chat(small_d, uuid.uuid4().hex, max_tokens=100) for _ in range(CONVERSATIONS)]
     for i, chat in enumerate(chats):                # each leaves ~140 tokens pinned: 8 of them exceed 512
         assert chat.say(topic(i)).reason == "first_turn"
-    d = small_d.decode[0].url
+    d = "decode-0"             # engines are labelled by name (--engine-names; default role-order)
     assert small_d.metric("pdgw_handles_evicted_total", engine=d) >= 1
     assert small_d.metric("pdgw_pinned_tokens", engine=d) <= D_BLOCKS * 16 * 0.5
     seconds = [chat.say("And then?") for chat in reversed(chats)]     # newest first: LRU kept those

@@ -37,11 +37,11 @@ def test_a_p_is_proven_at_start_and_re_proven_when_it_comes_back_as_an_older_eng
             assert turn.plan == ("full" if i == 0 else "reuse")
         port = p.port
         p.stop()
-        s.wait_until(lambda: s.metric("pdgw_engine_healthy", pool="prefill", engine=p.url) == 0)
+        s.wait_until(lambda: s.metric("pdgw_engine_healthy", pool="prefill", engine="prefill-0") == 0)
         old = start(["sim", "--tokenizer", "builtin:demo", "--role", "prefill", "--engine-id", "p0",
                      "--no-prompt-token-ids", "--output-tokens", "80:120"], port=port)
         try:
-            s.wait_until(lambda: s.metric("pdgw_engine_healthy", pool="prefill", engine=p.url) == 1)
+            s.wait_until(lambda: s.metric("pdgw_engine_healthy", pool="prefill", engine="prefill-0") == 1)
             s.wait_until(lambda: pinned_ids(s.gateway.url, p.url) is False)
             # turns go on through it, their P legs echoing their prompt again
             turn = Chat(s, uuid.uuid4().hex).say(question(9))

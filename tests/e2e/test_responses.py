@@ -32,7 +32,8 @@ INSTRUCTIONS = "You are brief and kind."
 @pytest.fixture(scope="module")
 def pd():
     keys = [f"{t}:{hashlib.sha256(k.encode()).hexdigest()}" for t, k in KEYS.items()]
-    with stack(sim=SIM, gateway=["--api-keys", *keys]) as s:
+    # with keys configured /metrics needs the admin key (docs/operations.md#paths-and-who-may-call-them)
+    with stack(sim=SIM, gateway=["--api-keys", *keys, "--admin-key", "responses-admin"]) as s:
         yield s
 
 

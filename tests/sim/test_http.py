@@ -175,6 +175,7 @@ def test_completions_with_token_prompt(sims: Sims, fleet: Fleet) -> None:
     ({"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "BadRequestError"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10 ** 6}, 400, "BadRequestError"),
     ({"messages": "not a list"}, 400, "BadRequestError"),
+    ({"messages": [{"role": "user", "content": "x"}], "seed": 2 ** 63}, 400, "BadRequestError"),   # vLLM: int64
 ])
 def test_error_shapes(sims: Sims, fleet: Fleet, body: dict[str, Any], status: int, kind: str) -> None:
     [c] = fleet("c")

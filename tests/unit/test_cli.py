@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import msgspec
 import pytest
 import yaml
 
 from gateway import cli, config
+from gateway.api.auth import ApiKeys, digest
 from gateway.processes import free_port
 from gateway.config import Settings
 
+ROOT = Path(__file__).resolve().parents[2]
 FIELDS = [f.name for f in msgspec.structs.fields(Settings)]
 
 
@@ -58,13 +66,50 @@ def test_serve_without_engines_says_so():
         cli.main(["serve"])
 
 
-@pytest.mark.parametrize("argv", [[], ["-h"], ["--help"]])
+@pytest.mark.parametrize("argv", [["-h"], ["--help"]])
 def test_help_lists_every_command_and_exits_0(argv, capsys):
     cli.main(argv)                          # returns: exit status 0
     out = capsys.readouterr().out
     for command in ("serve", "check", "demo", "sim", "migrate", "hash-key"):
         assert f"\n  {command} " in out
     assert "--version" in out
+
+
+def test_no_arguments_prints_usage_and_exits_2(capsys):
+    with pytest.raises(SystemExit) as caught:
+        cli.main([])
+    assert caught.value.code == 2 and "usage: pd-gateway COMMAND" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", sorted(cli.COMMANDS))
+def test_every_command_help_is_help(command):
+    """In a process, stdin holding a key: `hash-key --help` once printed the key's digest and exited 0."""
+    done = subprocess.run([sys.executable, "-m", "gateway", command, "--help"], input="secret\n", text=True,
+                          capture_output=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"usage: pd-gateway {command}") and digest("secret") not in done.stdout
+
+
+@pytest.mark.parametrize("stdin", ["", "\n", "   \n"])
+def test_hash_key_refuses_an_empty_key(stdin, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["hash-key"])
+    assert "no key" in str(caught.value) and capsys.readouterr().out == ""
+
+
+def test_hash_key_prints_the_digest_and_refuses_arguments(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("s3cret\n"))
+    cli.main(["hash-key"])
+    assert capsys.readouterr().out.strip() == digest("s3cret")
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["hash-key", "s3cret"])          # a key as an argument would show in ps: refused
+    assert caught.value.code == 2
+
+
+def test_serve_refuses_the_digest_of_an_empty_key():
+    with pytest.raises(ValueError, match="empty key"):
+        ApiKeys.from_settings(Settings(api_keys=[f"team:{digest('')}"]))
 
 
 def test_version(capsys):

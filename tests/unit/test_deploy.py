@@ -237,7 +237,8 @@ def test_vllm_engines_get_the_protocol_flags(tmp_path, name, role, policy):
 
 def test_vllm_pair_shares_image_model_cache_and_block_size_but_not_gpus(tmp_path):
     p, d = SERVICES["prefill"], SERVICES["decode"]
-    assert p["image"] == d["image"] and p["image"].startswith("${VLLM_IMAGE:-vllm/vllm-openai:")
+    assert p["image"] == d["image"] and p["build"] == d["build"]
+    assert p["build"]["args"]["VLLM_IMAGE"].startswith("${VLLM_IMAGE:-vllm/vllm-openai:")
     assert flag(vllm_argv("prefill", tmp_path), "--block-size") == flag(vllm_argv("decode", tmp_path), "--block-size")
     cache = read_env_file(ROOT / "deploy/pd.env")["HF_HOME"]
     for name in ("prefill", "decode", "gateway-vllm"):
@@ -246,6 +247,60 @@ def test_vllm_pair_shares_image_model_cache_and_block_size_but_not_gpus(tmp_path
     devices = [s["deploy"]["resources"]["reservations"]["devices"][0] for s in (p, d)]
     assert all(dev["driver"] == "nvidia" and dev["capabilities"] == ["gpu"] for dev in devices)
     assert interpolate(devices[0]["device_ids"], {}) != interpolate(devices[1]["device_ids"], {})
+
+
+def test_vllm_engines_run_the_official_image_with_the_stream_plugin():
+    """Issue 38: the profile ran the stock image, so every turn after a streamed one was handle_not_streamed."""
+    build = SERVICES["decode"]["build"]
+    dockerfile = (ROOT / build["context"] / build["dockerfile"]).read_text()
+    steps = [line.split(None, 1) for line in dockerfile.splitlines() if line and not line.startswith("#")]
+    assert ["FROM", "${VLLM_IMAGE}"] in steps and "ARG VLLM_IMAGE=vllm/vllm-openai:" in dockerfile
+    copies = {tuple(rest.split()) for step, *rest in steps if step == "COPY" for rest in rest}
+    for source, _ in copies:
+        assert (ROOT / build["context"] / source).exists(), source
+        assert not dockerignored(source), f"{source} is left out of the build context by .dockerignore"
+    assert ("plugins/vllm-pdgw-stream", "/opt/pdgw/vllm-pdgw-stream") in copies
+    assert "install --system --no-deps /opt/pdgw/vllm-pdgw-stream" in dockerfile
+    plugin = _toml(ROOT / "plugins/vllm-pdgw-stream/pyproject.toml")
+    assert "pdgw_stream" in plugin["project"]["entry-points"]["vllm.general_plugins"]
+    assert "'pdgw_stream'" in dockerfile                        # the build fails if vLLM would not find it
+    entry = SERVICES["decode"]["entrypoint"]
+    assert ("deploy/vllm-serve.sh", entry[1]) in copies and f'ENTRYPOINT ["/bin/sh", "{entry[1]}"]' in dockerfile
+
+
+def dockerignored(path: str) -> bool:
+    """Docker's rule: the last .dockerignore pattern matching the path or a folder above it decides (`!`: kept)."""
+    import fnmatch
+
+    ignored = False
+    parts = path.split("/")
+    for line in (ROOT / ".dockerignore").read_text().splitlines():
+        pattern = line.strip()
+        if not pattern or pattern.startswith("#"):
+            continue
+        keep, pattern = pattern.startswith("!"), pattern.lstrip("!")
+        if any(fnmatch.fnmatch("/".join(parts[:i]), pattern) for i in range(1, len(parts) + 1)):
+            ignored = not keep
+    return ignored
+
+
+def test_the_dockerignore_rule_as_docker_reads_it():
+    assert dockerignored("deploy/prometheus.yml") and dockerignored("tests/unit/x.py")
+    assert not dockerignored("deploy/vllm-serve.sh") and not dockerignored("plugins/vllm-pdgw-stream")
+
+
+def _toml(path: Path) -> dict[str, Any]:
+    import tomllib
+
+    return tomllib.loads(path.read_text())
+
+
+def test_the_vllm_gateway_streams_with_the_handle_the_plugin_hands_back():
+    """With the plugin D's streamed answers carry the handle: `miss` streams and loses none; `buffer` is for
+    engines without it (docs/vllm-stream-plugin.md), and costs streaming."""
+    settings = gateway_settings("gateway-vllm")
+    assert read_env_file(ROOT / "deploy/pd.env")["PDGW_STREAM_HANDLE_POLICY"] == settings.stream_handle_policy
+    assert settings.stream_handle_policy == "miss" and "build" in SERVICES["decode"]
 
 
 def test_the_engine_script_refuses_a_bad_role(tmp_path):

@@ -26,10 +26,11 @@ TURNS_PACKAGES = {"intake": {"store"}, "reuse": {"engines", "store"}, "legs": {"
 # top-level modules → gateway packages and modules they may import (besides the leaves)
 TOP_LEVEL = {
     "__main__": {"cli"},
-    "cli": {"app", "serving", "startup", "demo", "store", "sim", "api", "verify"},   # commands: each its own
+    "cli": {"app", "serving", "connections", "startup", "demo", "store", "sim", "api", "verify"},   # commands
     "app": {"api", "turns", "engines", "store", "startup"},                # wires everything but the simulator
     "startup": {"engines", "store", "turns"},
-    "serving": set(),
+    "serving": {"connections"},
+    "connections": set(),
     "processes": set(),
     "demo": {"processes"},
 }

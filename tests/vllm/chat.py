@@ -135,8 +135,10 @@ def _streamed(chunks) -> tuple[str, list[int], list[int]]:
 
 
 def gateway_metric(gateway: Server, name: str, **labels: str) -> float:
-    """One sample of the gateway's /metrics (0 when absent)."""
-    with urllib.request.urlopen(gateway.url + "/metrics", timeout=10) as resp:
+    """One sample of the gateway's /metrics (0 when absent); with an admin key configured, sent with it."""
+    key = gateway.args[gateway.args.index("--admin-key") + 1] if "--admin-key" in gateway.args else None
+    request = urllib.request.Request(gateway.url + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(request, timeout=10) as resp:
         text = resp.read().decode()
     want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
     for line in text.splitlines():

@@ -66,12 +66,13 @@ def test_verify_passes_on_real_vllm(engines, gateway):
     sim = SimEngine(SimSettings(role="decode"), Renderer("builtin:demo"))
     assert _families(page) == _families(render_metrics(sim)) and len(_families(page)) == len(READ)
     assert readings.nixl_xfer_seconds is not None and readings.nixl_xfer_seconds.count > 0   # D read P's KV
-    text = urllib.request.urlopen(gateway.url + "/metrics", timeout=10).read().decode()
+    metrics = urllib.request.Request(gateway.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    text = urllib.request.urlopen(metrics, timeout=10).read().decode()
     served = {f.name: f for f in text_string_to_metric_families(text)}
     for _, name, kind, _ in ENGINE_FAMILIES:
         family = served[name.removesuffix("_total")]
         assert family.type == kind
-        assert {s.labels["engine"] for s in family.samples} == {engines.prefill.url, engines.decode.url}, name
+        assert {s.labels["engine"] for s in family.samples} == {"prefill-0", "decode-0"}, name   # never URLs
     request = urllib.request.Request(gateway.url + "/admin/engines", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
     described = {e["url"]: e for e in json.loads(urllib.request.urlopen(request, timeout=10).read())["engines"]}
     nixl = described[engines.decode.url]["data_plane"]["nixl"]

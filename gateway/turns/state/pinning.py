@@ -39,7 +39,7 @@ class Pinning:
         entry = self.pins.entry(key)
         self.pins.spent(key, reused_tokens)
         if entry is not None and entry.claimed and reused_tokens > 0 and self.pins.earnings is not None:
-            self.metrics.pin_saved_tokens.labels(entry.engine).inc(reused_tokens)
+            self.metrics.pin_saved_tokens.labels(self.metrics.engine_label(entry.engine)).inc(reused_tokens)
 
     def admit(self, session: ConversationKey, engine: str, handle: kv.Handle | None,
               now: float) -> tuple[kv.Handle | None, list[Victim], bool]:
@@ -90,21 +90,21 @@ class Pinning:
         """The gauge, and the D's pinned blocks where routing's used_kv reads them."""
         if self.pins is None:
             return
-        self.metrics.pinned_tokens.labels(engine).set(self.pins.pinned_tokens(engine))
+        self.metrics.pinned_tokens.labels(self.metrics.engine_label(engine)).set(self.pins.pinned_tokens(engine))
         holder = self.decode_pool.get(engine)
         if holder is not None:
             holder.info["pinned_blocks"] = self.pins.pinned_blocks(engine)
         if (earnings := self.pins.earnings) is not None:
             d = earnings.of(engine)
-            self.metrics.pins_used_ratio.labels(engine).set(d.used_ratio)
+            self.metrics.pins_used_ratio.labels(self.metrics.engine_label(engine)).set(d.used_ratio)
             configured = self.pins.budget.budget_blocks(holder.info.get("num_gpu_blocks") if holder else None)
             budget = None if configured is None else earnings.budget_blocks(engine, configured)
             if budget is not None:
-                self.metrics.pin_budget_blocks.labels(engine).set(budget)
+                self.metrics.pin_budget_blocks.labels(self.metrics.engine_label(engine)).set(budget)
             if holder is not None:
                 holder.info["pins"] = {**d.summary(), "budget_blocks": budget, "configured_budget_blocks": configured,
                                        "policy": "adaptive" if earnings.adaptive else "lru"}
 
     def _release_evicted(self, handle: kv.Handle, engine: str) -> None:
         self.releaser.release(handle, EVICTED)
-        self.metrics.handles_evicted.labels(engine).inc()
+        self.metrics.handles_evicted.labels(self.metrics.engine_label(engine)).inc()
