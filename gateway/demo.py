@@ -148,14 +148,27 @@ def main(argv: list[str]) -> None:
             shutil.rmtree(logs, ignore_errors=True)
 
 
-def run(args: argparse.Namespace, logs: Path, servers: list[Server]) -> None:
+# What a coding agent needs of the engines (Claude Code and OpenCode ask max_tokens 32000 on prompts of ~30k
+# tokens, every request with tools and tool_choice auto): tool calls parsed as vLLM's hermes parser does
+# (docs/protocol.md §10; the simulated model answers in text after 3 rounds of calls, so an agent's loop ends), a
+# 128k context, and KV for two such contexts per engine. The compose sim profile runs the same flags.
+AGENT_READY = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--tool-call-rounds", "3",
+               "--max-model-len", "131072", "--num-blocks", "16384"]
+
+
+def sim_flags(tokenizer: str) -> list[str]:
+    """The demo's simulated engines' flags, but for role and id (the `harness` test tier runs them too)."""
     # Answers longer than kv_recompute_threshold (64 tokens), so P reads them from D instead of recomputing. The
     # engines are timed like a 3B model on an H200 whose KV moves over CUDA IPC, where reading D's KV is several
     # times faster than computing it (bench/GPU-RESULTS.md), so the cost plan's probe finds, as there, that
     # reading pays. Untimed sims answer at the speed of their own bookkeeping, where moving KV over HTTP costs
     # more than "computing" it.
-    sim = ["--tokenizer", args.tokenizer, "--stream-kv-params", "--output-tokens", "80:120",
-           "--prefill-ms-per-token", "0.02", "--transfer-ms-per-block", "0.05"]
+    return ["--tokenizer", tokenizer, "--stream-kv-params", "--output-tokens", "80:120",
+            "--prefill-ms-per-token", "0.02", "--transfer-ms-per-block", "0.05", *AGENT_READY]
+
+
+def run(args: argparse.Namespace, logs: Path, servers: list[Server]) -> None:
+    sim = sim_flags(args.tokenizer)
     prefill = start(["sim", "--role", "prefill", "--engine-id", "demo-p", *sim], log_dir=logs, name="prefill",
                     own_session=True)
     servers.append(prefill)

@@ -75,6 +75,9 @@ def parser() -> argparse.ArgumentParser:
     a("--tool-call-rate", type=float, default=0.5, help="share of auto-tool-choice answers that call tools")
     a("--tool-call-style", choices=["template", "varied"], default="template",
       help="varied: some calls' JSON is compact, arguments-first or \\u-escaped (re-renders differently)")
+    a("--tool-call-rounds", type=int, default=0,
+      help="the model answers in text after this many rounds of tool calls since the last user message "
+           "(an agent loop ends); 0: no limit")
     a("--version", default=DEFAULT_VERSION, help="version string reported at /version")
     a("--log-level", default="warning")
     return p
@@ -97,6 +100,7 @@ def settings_from(args: argparse.Namespace, port: int) -> SimSettings:
         batched_steps=args.batched_steps, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         tool_call_rate=args.tool_call_rate, tool_call_style=args.tool_call_style,
+        tool_call_rounds=args.tool_call_rounds,
         transfer_mode=args.kv_transfer_mode, push_registration_timeout=args.push_registration_timeout,
         push_fault=args.push_fault)
 

@@ -24,7 +24,7 @@ from gateway.sim.render import Renderer, RenderError
 from gateway.sim.settings import SimSettings
 from gateway.sim.structured import StructuredOutputError, schema_of
 from gateway.sim.tools import (ToolRequestError, ToolSpec, ToolStream, extract, finish_reason, message_calls,
-                               tool_spec)
+                               tool_rounds, tool_spec)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM's /v1/completions default
 
@@ -78,6 +78,9 @@ class Serving:
         call = self._call("chat", "chatcmpl-", body, prompt, max_tokens, header_id,
                           _wanted(body.logprobs, body.top_logprobs, chat=True))
         call.tools = call.engine_req.tools = tools
+        limit = self.settings.tool_call_rounds
+        if tools is not None and tools.mode == "auto" and limit and tool_rounds(body.messages) >= limit:
+            call.engine_req.tools = None      # the model answers in text; the serving still parses its answer
         return call
 
     @property

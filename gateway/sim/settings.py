@@ -63,6 +63,7 @@ class SimSettings(msgspec.Struct, kw_only=True, frozen=True):
     tool_call_parser: str | None = None   # "hermes" (the only one simulated)
     tool_call_rate: float = 0.5           # how often the model calls a tool when tool_choice is "auto"
     tool_call_style: Literal["template", "varied"] = "template"
+    tool_call_rounds: int = 0             # rounds of calls after which the model answers in text (0: no limit)
     version: str = DEFAULT_VERSION
 
     def __post_init__(self) -> None:

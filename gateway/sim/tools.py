@@ -87,6 +87,20 @@ def tool_spec(tools: list[dict[str, Any]] | None, tool_choice: Any, *, auto_enab
     raise ToolRequestError(f"Invalid tool_choice: {tool_choice!r}")
 
 
+def tool_rounds(messages: list[dict[str, Any]]) -> int:
+    """Rounds of tool calls since the user last spoke: assistant messages with `tool_calls` after the last user
+    message (an agent loop's steps). The simulated model stops calling tools after `--tool-call-rounds` of them,
+    so an agent harness's loop ends in a text answer, as a real model's does once it has what it needs."""
+    rounds = 0
+    for message in reversed(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role == "user":
+            break
+        if role == "assistant" and message.get("tool_calls"):
+            rounds += 1
+    return rounds
+
+
 def _function(tool: Any) -> Function:
     fn = tool.get("function") if isinstance(tool, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import openai
 import pytest
 
 from tests.servers import free_port, stop_process
@@ -148,3 +149,34 @@ def test_demo_and_serve_on_a_busy_port_say_so_in_one_line():
         assert result.returncode == 1
         assert words in result.stderr and "Traceback" not in result.stderr, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_the_served_demo_takes_a_coding_agents_requests():
+    """What Claude Code and OpenCode send: tools with the default tool_choice (a 400 from engines without a
+    tool-call parser), max_tokens 32000 on a long prompt (a 400 in a 32k context); the next turn reuses."""
+    port = free_port()
+    demo = subprocess.Popen([sys.executable, "-m", "gateway", "demo", "--serve", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in demo.stdout:
+            if line.startswith("serving on"):
+                break
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        tools = [{"type": "function", "function": {"name": "read_file", "description": "Read a file.", "parameters": {
+            "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
+        system = "You are a coding agent. " + " ".join(f"rule {i}: keep the code tidy." for i in range(2500))
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "What is in this repo?"}]
+        for turn in range(2):
+            raw = client.chat.completions.with_raw_response.create(
+                model="demo", messages=messages, tools=tools, max_tokens=32000,
+                extra_headers={"X-Session-Id": "agent"})
+            choice = raw.parse().choices[0]
+            assert choice.finish_reason in ("stop", "tool_calls")
+            assert raw.parse().usage.prompt_tokens > 20_000
+            if turn:
+                assert int(raw.headers["x-pd-reused-tokens"]) > 20_000
+            messages.append(choice.message.model_dump(exclude_none=True))
+            messages += [{"role": "tool", "tool_call_id": c.id, "content": "README.md\nsrc/"}
+                         for c in choice.message.tool_calls or ()] or [{"role": "user", "content": "And then?"}]
+    finally:
+        stop_process(demo, signal.SIGTERM)

@@ -39,6 +39,8 @@ FLEET: dict[str, tuple[str, ...]] = {
     "c_tools": ("--role", "colocated", *TOOL_FLAGS),
     "p_tools": ("--role", "prefill", *TOOL_FLAGS),
     "d_tools": ("--role", "decode", *TOOL_FLAGS),
+    # an agent loop that ends: always a call after the user speaks, text after two rounds (the demo's settings)
+    "c_agent": ("--role", "colocated", *TOOL_FLAGS, "--tool-call-rate", "1.0", "--tool-call-rounds", "2"),
     # push mode (docs/protocol.md §8): no bidirectional transfer; D's watchdog short enough to see it fire
     "p_push": ("--role", "prefill", "--kv-transfer-mode", "push", "--no-bidirectional", "--kv-lease-duration", "3"),
     "d_push": ("--role", "decode", "--kv-transfer-mode", "push", "--no-bidirectional",

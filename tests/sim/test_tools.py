@@ -11,7 +11,7 @@ import pytest
 
 from gateway.sim.render import Renderer
 from gateway.sim.tools import (Call, ToolRequestError, ToolSpec, ToolStream, compose, extract, parse_hermes,
-                               tool_spec)
+                               tool_rounds, tool_spec)
 from tests.sim.conftest import Fleet, Sims, user
 from tests.sim.test_http import _frames
 
@@ -105,6 +105,17 @@ def test_named_and_required_choices() -> None:
     assert [Call(c["name"], c["arguments"]) for c in _assemble(_replay(required, text))[1]] == calls
 
 
+def test_tool_rounds_count_calls_since_the_user_spoke() -> None:
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function",
+                                                                  "function": {"name": "f", "arguments": "{}"}}]}
+    result = {"role": "tool", "tool_call_id": "1", "content": "ok"}
+    assert tool_rounds([user("a")]) == 0
+    assert tool_rounds([user("a"), call, result]) == 1
+    assert tool_rounds([user("a"), call, result, call, result, call, result]) == 3
+    assert tool_rounds([user("a"), call, result, {"role": "assistant", "content": "done"}, user("b")]) == 0
+    assert tool_rounds([{"role": "system", "content": "s"}, call, result]) == 1
+
+
 # -- over HTTP ---------------------------------------------------------------------------------------------
 def _first_call(sims: Sims, server: Any, **body: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Messages whose answer (seeded by the prompt) calls a tool, and that answer."""
@@ -181,3 +192,26 @@ def test_tool_call_arguments_that_are_not_json_are_a_400(sims: Sims, fleet: Flee
     assert resp.status_code == 400 and resp.json()["error"]["code"] == 400
     resp = sims.post(c, "/tokenize", {"model": "demo", "messages": messages, "tools": TOOLS})
     assert resp.status_code == 400
+
+
+@pytest.mark.integration
+def test_an_agent_loop_ends_after_the_rounds_limit(sims: Sims, fleet: Fleet) -> None:
+    """--tool-call-rounds 2: the user's question gets a call, so does the first tool result; the second tool
+    result gets text (finish_reason "stop"), streamed or not; a new user message starts over."""
+    [c] = fleet("c_agent")
+    messages = [user("find the weather, then search")]
+    finishes = []
+    for _ in range(3):
+        resp = sims.chat(c, messages, tools=TOOLS)
+        choice = resp["choices"][0]
+        finishes.append(choice["finish_reason"])
+        messages.append(choice["message"] | {"role": "assistant"})
+        messages += [{"role": "tool", "tool_call_id": tc["id"], "content": "{\"ok\": true}"}
+                     for tc in choice["message"].get("tool_calls") or ()]
+    assert finishes == ["tool_calls", "tool_calls", "stop"]
+    assert messages[-1]["content"] and not messages[-1].get("tool_calls")
+    streamed = sims.raw_chat(c, {"messages": messages[:-1], "tools": TOOLS, "stream": True})
+    frames = [f for f in _frames(streamed.text)[1:] if f != "[DONE]"]
+    assert frames[-1]["choices"][0]["finish_reason"] == "stop"
+    messages.append(user("and now?"))
+    assert sims.chat(c, messages, tools=TOOLS)["choices"][0]["finish_reason"] == "tool_calls"

@@ -25,7 +25,7 @@ import msgspec
 import pytest
 import yaml
 
-from gateway import cli, config
+from gateway import cli, config, demo
 from gateway.sim import cli as sim_cli
 from gateway.telemetry import Metrics
 
@@ -205,6 +205,18 @@ def test_simulated_engines_advertise_reachable_hosts_and_recommended_policies():
         args = sim_args(name)
         assert args.host == SERVICES[name]["hostname"] == name     # handles carry it: the peer must resolve it
         assert args.kv_load_failure_policy == policy and args.stream_kv_params
+
+
+def test_simulated_engines_run_coding_agents_as_the_demo_does():
+    """Coding agents send tools with tool_choice auto (a 400 without a parser) and ask max_tokens 32000 on
+    prompts of ~30k tokens (a 400 in a 32k context): the compose sim profile runs the demo's settings."""
+    demo_args = sim_cli.parser().parse_args(["--role", "prefill", *demo.sim_flags("builtin:demo")])
+    for args in (sim_args("sim-prefill"), sim_args("sim-decode"), demo_args):
+        assert args.enable_auto_tool_choice and args.tool_call_parser == "hermes" and args.tool_call_rounds > 0
+        assert args.max_model_len >= 32_000 + 64_000
+        assert args.num_blocks * args.block_size >= 2 * args.max_model_len
+    for name in ("sim-prefill", "sim-decode"):
+        assert " ".join(demo.AGENT_READY) in " ".join(SERVICES[name]["command"])
 
 
 def test_every_pdgw_variable_names_a_setting():
