@@ -3,11 +3,16 @@ message_events.py, the handler and Anthropic's error shape messages_routes.py.
 
     Messages request                       chat request
     system (text or text blocks)           a leading system message
+    {"role": "system"} inside messages     a system message in its place (Claude Code's mid-conversation system
+                                           entries: rendered as the template renders any system message, so
+                                           the same request always renders the same and reuse holds)
     user text / text blocks                a user message (texts joined by newlines)
     user tool_result blocks                tool messages (tool_call_id = tool_use_id), before the user's text
     assistant text + tool_use blocks       one assistant message: content + tool_calls (input as JSON arguments)
     thinking / redacted_thinking blocks    dropped (the engines' templates render no such blocks)
     tools {name, description, input_schema} function tools {name, description, parameters}
+    server tools (web_search_20250305, ...) dropped: the engines cannot run them (`hosted_tools` names them,
+                                           the handler says so in X-PD-Dropped-Tools)
     tool_choice auto / any / tool / none   "auto" / "required" / a named function / "none"
     max_tokens, stop_sequences, temperature, top_p, top_k, stream    max_tokens, stop, ..., stream
 
@@ -68,8 +73,9 @@ def chat_body(req: MessagesRequest, model: str | None) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model, "max_tokens": req.max_tokens, "stream": bool(req.stream),
         "messages": [*([{"role": "system", "content": system}] if system else []), *chat_messages(req.messages)]}
-    if req.tools:
-        body["tools"] = [_tool(t, i) for i, t in enumerate(req.tools)]
+    tools = [_tool(t, i) for i, t in enumerate(req.tools or ()) if not _hosted(t)]
+    if tools:
+        body["tools"] = tools
     if req.tool_choice is not None:
         body.update(_tool_choice(req.tool_choice))
     for name, value in (("stop", req.stop_sequences), ("temperature", req.temperature), ("top_p", req.top_p),
@@ -85,9 +91,12 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         role, content = message.get("role"), message.get("content")
-        if role not in ("user", "assistant"):
-            raise InvalidRequestError("a message's role must be user or assistant", param=f"messages[{i}].role")
-        if isinstance(content, str):
+        if role not in ("user", "assistant", "system"):
+            raise InvalidRequestError("a message's role must be user, assistant or system",
+                                      param=f"messages[{i}].role")
+        if role == "system":
+            out.append({"role": "system", "content": _text(content, f"messages[{i}].content")})
+        elif isinstance(content, str):
             out.append({"role": role, "content": content})
         elif not isinstance(content, list):
             raise InvalidRequestError("content must be a string or a list of blocks", param=f"messages[{i}].content")
@@ -153,6 +162,16 @@ def _string(block: dict[str, Any], name: str, where: str) -> str:
     if not isinstance(value, str):
         raise InvalidRequestError(f"{name} must be a string", param=f"{where}.{name}")
     return value
+
+
+def hosted_tools(req: MessagesRequest) -> list[str]:
+    """The server tools of the request (Anthropic runs them, the engines cannot): dropped, named by type."""
+    return [t["type"] for t in req.tools or () if _hosted(t)]
+
+
+def _hosted(tool: Any) -> bool:
+    """A server tool: a typed tool other than `custom` (web_search_20250305, bash_20250124, computer_*, ...)."""
+    return isinstance(tool, dict) and isinstance(tool.get("type"), str) and tool["type"] != "custom"
 
 
 def _tool(tool: Any, i: int) -> dict[str, Any]:

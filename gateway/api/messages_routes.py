@@ -18,7 +18,7 @@ from litestar.types import ASGIApp
 
 from gateway.api import messages as api
 from gateway.api.message_events import MessageEvents
-from gateway.api.routes import Gateway, _request_id, _respond
+from gateway.api.routes import Gateway, _request_id, _respond, dropped_tools
 from gateway.api.schemas import ChatRequest, parse
 from gateway.api.sessions import session_id
 from gateway.errors import GatewayError
@@ -72,6 +72,7 @@ async def create_message(request: Request, gateway: NamedDependency[Gateway]) ->
         turn.clock = TurnClock(gateway.metrics.gateway_seconds, began)
         gateway.metrics.turn_seconds.labels("intake").observe(time.perf_counter() - began)
         reply = await gateway.runner.run(turn, key, tenant, ahead)
+    dropped_tools(reply, api.hosted_tools(req))
     message_id = api.new_id()
     if reply.stream is not None:
         reply.stream = MessageEvents(message_id, turn.model, len(turn.prompt_ids)).relay(reply.stream)

@@ -8,6 +8,12 @@ output items. Pure translation: the stream's typed events are response_events.py
     "function_call"                     an assistant message's tool call (after that assistant's text, if any)
     "function_call_output"              {"role": "tool", "tool_call_id": call_id, "content": output}
     "reasoning"                         dropped (the engines' templates render no reasoning items)
+
+    tool                                chat tool
+    "function"                          a function tool
+    "namespace" {tools: [...]}          its functions, flattened (Codex groups its MCP tools so)
+    hosted (web_search, file_search,    dropped: the engines cannot run them (`hosted_tools` names them, the
+    custom, computer_use_preview, ...)  handler says so in X-PD-Dropped-Tools)
 """
 
 from __future__ import annotations
@@ -67,8 +73,9 @@ def chat_body(req: ResponsesRequest, model: str | None) -> dict[str, Any]:
     """The chat request for this turn's new input items, after the instructions as a system message."""
     head = [{"role": "system", "content": req.instructions}] if req.instructions else []
     body: dict[str, Any] = {"model": model, "messages": [*head, *messages(req.input)], "stream": bool(req.stream)}
-    if req.tools:
-        body["tools"] = [_tool(t, i) for i, t in enumerate(req.tools)]
+    tools = _functions(req.tools or (), "tools")
+    if tools:
+        body["tools"] = tools
     if req.tool_choice is not None:
         body["tool_choice"] = _tool_choice(req.tool_choice)
     for name, value in (("max_tokens", req.max_output_tokens), ("temperature", req.temperature),
@@ -134,11 +141,39 @@ def _string(item: dict[str, Any], name: str, i: int) -> str:
     return value
 
 
-def _tool(tool: Any, i: int) -> dict[str, Any]:
-    if not isinstance(tool, dict) or tool.get("type") != "function":
-        raise InvalidRequestError("only function tools are supported", param=f"tools[{i}]")
+def hosted_tools(tools: Any) -> list[str]:
+    """The types of the hosted tools in `tools` (inside namespaces too), which the chat body leaves out."""
+    out: list[str] = []
+    for tool in tools or ():
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "namespace":
+            out += hosted_tools(tool.get("tools"))
+        elif isinstance(kind, str) and kind != "function":
+            out.append(kind)
+    return out
+
+
+def _functions(tools: Any, where: str) -> list[dict[str, Any]]:
+    """The function tools, namespaces flattened to their functions, hosted tools left out."""
+    if not isinstance(tools, (list, tuple)):
+        raise InvalidRequestError("tools must be a list", param=where)
+    out: list[dict[str, Any]] = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "namespace":
+            out += _functions(tool.get("tools"), f"{where}[{i}].tools")
+        elif kind == "function":
+            out.append(_tool(tool, f"{where}[{i}]"))
+        elif not isinstance(kind, str):
+            raise InvalidRequestError("each tool must be an object with a type", param=f"{where}[{i}]")
+    return out
+
+
+def _tool(tool: dict[str, Any], where: str) -> dict[str, Any]:
     if isinstance(tool.get("function"), dict):             # already in the chat shape
         return tool
+    if not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise InvalidRequestError("a function tool needs a name", param=f"{where}.name")
     function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
     return {"type": "function", "function": function}
 

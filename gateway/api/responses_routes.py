@@ -22,7 +22,7 @@ from litestar.types import ASGIApp
 
 from gateway.api import responses as api
 from gateway.api.response_events import ResponseEvents
-from gateway.api.routes import Gateway, _request_id, _respond
+from gateway.api.routes import Gateway, _request_id, _respond, dropped_tools
 from gateway.api.schemas import ChatRequest, parse
 from gateway.api.sessions import session_id
 from gateway.turns.admin import ConversationKey
@@ -58,6 +58,7 @@ async def create_response(request: Request, gateway: NamedDependency[Gateway]) -
         captured: list[Any] = []
         turn.on_recorded = captured.append
         reply = await gateway.runner.run(turn, key, tenant, ahead)
+    dropped_tools(reply, api.hosted_tools(req.tools))
     answer = _Answer(gateway, tenant, response_id, session, req, turn, thread, captured)
     if reply.stream is not None:
         reply.stream = answer.events(reply.stream)

@@ -101,6 +101,15 @@ async def _turn(request: Request, gateway: Gateway, schema: type, intake: Callab
     return _respond(reply, turn.clock)
 
 
+DROPPED_TOOLS = "X-PD-Dropped-Tools"
+
+
+def dropped_tools(reply: TurnReply, dropped: list[str]) -> None:
+    """Hosted tools the engines cannot run, left out of the turn: named in a header instead of a 400."""
+    if dropped:
+        reply.headers[DROPPED_TOOLS] = ",".join(dict.fromkeys(dropped))
+
+
 def _respond(reply: TurnReply, clock: TurnClock) -> ASGIApp:
     if reply.stream is not None:
         return EventStream(reply.stream, reply.headers, on_first_frame=clock.delivered)

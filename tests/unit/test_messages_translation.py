@@ -39,6 +39,29 @@ def test_messages_become_chat_messages(messages, want):
     assert api.chat_messages(messages) == want
 
 
+def test_system_entries_inside_messages_are_rendered_in_place():
+    # Claude Code's mid-conversation system entries: a system message where it stands, the same every time
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                {"role": "system", "content": [{"type": "text", "text": "Mode changed.", "cache_control": {}}]},
+                {"role": "user", "content": "go on"}]
+    body = api.chat_body(req(system="Be brief.", messages=messages), "demo")
+    assert body["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                                {"role": "assistant", "content": "hello"},
+                                {"role": "system", "content": "Mode changed."}, {"role": "user", "content": "go on"}]
+    assert api.chat_body(req(system="Be brief.", messages=messages), "demo") == body
+
+
+def test_server_tools_are_dropped_and_named():
+    tools = [{"type": "web_search_20250305", "name": "web_search", "max_uses": 5},
+             {"name": "f", "input_schema": {"type": "object"}}, {"type": "custom", "name": "g"},
+             {"type": "bash_20250124", "name": "bash"}]
+    request = req(tools=tools)
+    assert [t["function"]["name"] for t in api.chat_body(request, "demo")["tools"]] == ["f", "g"]
+    assert api.hosted_tools(request) == ["web_search_20250305", "bash_20250124"]
+    only_hosted = req(tools=tools[:1])
+    assert "tools" not in api.chat_body(only_hosted, "demo") and api.hosted_tools(only_hosted) == ["web_search_20250305"]
+
+
 def test_chat_body_carries_system_tools_and_sampling():
     body = api.chat_body(req(system=[{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Really."}],
                              stop_sequences=["END"], top_k=5, stream=True,
@@ -54,9 +77,10 @@ def test_chat_body_carries_system_tools_and_sampling():
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "system", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0]"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0]"),
-    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0]"),
+    ({"tools": [{"type": "custom", "description": "no name"}]}, "tools[0]"),
     ({"tool_choice": {"type": "maybe"}}, "tool_choice"),
 ])
 def test_unsupported_input_names_the_field(fields, param):
@@ -124,3 +148,4 @@ def test_a_stream_becomes_anthropic_events():
 def test_an_engine_error_mid_stream_is_an_error_event():
     events = _events({"choices": [{"delta": {"content": "x"}}]}, {"error": {"message": "D failed"}}, "[DONE]")
     assert events[-1] == ("error", {"type": "error", "error": {"type": "api_error", "message": "D failed"}})
+

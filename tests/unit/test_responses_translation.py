@@ -47,7 +47,8 @@ def test_input_items_become_chat_messages(items, want):
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0]"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
     ({"input": []}, "input"),
-    ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "parameters": {}}]}, "tools[0].name"),
+    ({"tools": [{"type": "namespace", "name": "ns", "tools": [{"name": "f"}]}]}, "tools[0].tools[0]"),
     ({"tool_choice": "sometimes"}, "tool_choice"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"background": True}, "background"),
@@ -57,6 +58,22 @@ def test_unsupported_or_malformed_requests_name_the_field(fields, param):
     with pytest.raises(InvalidRequestError) as caught:
         api.chat_body(req(**fields), "demo")
     assert caught.value.param == param
+
+
+def test_namespaces_are_flattened_and_hosted_tools_dropped():
+    # Codex CLI: its MCP tools grouped in a namespace, and web_search beside them
+    tools = [{"type": "function", "name": "shell", "parameters": {"type": "object"}},
+             {"type": "namespace", "name": "mcp__fs", "description": "files", "tools": [
+                 {"type": "function", "name": "read", "parameters": {"type": "object"}},
+                 {"type": "web_search"},
+                 {"type": "function", "name": "write", "parameters": {"type": "object"}}]},
+             {"type": "web_search", "search_context_size": "low"}, {"type": "custom", "name": "apply_patch"},
+             {"type": "file_search", "vector_store_ids": ["v"]}]
+    request = req(tools=tools)
+    body = api.chat_body(request, "demo")
+    assert [t["function"]["name"] for t in body["tools"]] == ["shell", "read", "write"]
+    assert api.hosted_tools(request.tools) == ["web_search", "web_search", "custom", "file_search"]
+    assert "tools" not in api.chat_body(req(tools=[{"type": "web_search"}]), "demo")
 
 
 def test_chat_body_carries_instructions_tools_and_sampling():
@@ -141,3 +158,4 @@ def test_an_engine_error_mid_stream_fails_the_response():
                                      [{"error": {"message": "D failed", "code": "upstream_error"}}, "[DONE]"]))
     assert events[-1]["type"] == "response.failed"
     assert events[-1]["response"]["error"] == {"code": "upstream_error", "message": "D failed"}
+
