@@ -222,10 +222,18 @@ def tool_use(call: dict[str, Any]) -> dict[str, Any]:
 
 
 def message(message_id: str, model: str, *, content: list[dict[str, Any]], stop: tuple[str | None, str | None],
-            input_tokens: int, output_tokens: int) -> dict[str, Any]:
+            input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": stop[0], "stop_sequence": stop[1],
-            "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}
+            "usage": usage(input_tokens, output_tokens, cached_tokens)}
+
+
+def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """Anthropic's usage: `input_tokens` are the prompt tokens not read from a cache, `cache_read_input_tokens`
+    those served from D's KV (or P's prefix cache), so their sum is the prompt, as Anthropic counts it."""
+    cached = min(max(cached_tokens, 0), prompt_tokens)
+    return {"input_tokens": prompt_tokens - cached, "output_tokens": output_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
 def from_completion(message_id: str, model: str, completion: dict[str, Any]) -> dict[str, Any]:
@@ -233,7 +241,9 @@ def from_completion(message_id: str, model: str, completion: dict[str, Any]) -> 
     chat = choice.get("message") or {}
     content = [{"type": "text", "text": chat["content"]}] if chat.get("content") else []
     content += [tool_use(call) for call in chat.get("tool_calls") or ()]
-    usage = completion.get("usage") or {}
+    chat_usage = completion.get("usage") or {}
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return message(message_id, model, content=content,
                    stop=stop_reason(choice.get("finish_reason"), choice.get("stop_reason")),
-                   input_tokens=usage.get("prompt_tokens") or 0, output_tokens=usage.get("completion_tokens") or 0)
+                   input_tokens=chat_usage.get("prompt_tokens") or 0,
+                   output_tokens=chat_usage.get("completion_tokens") or 0, cached_tokens=cached)

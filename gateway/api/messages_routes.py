@@ -75,7 +75,8 @@ async def create_message(request: Request, gateway: NamedDependency[Gateway]) ->
     dropped_tools(reply, api.hosted_tools(req))
     message_id = api.new_id()
     if reply.stream is not None:
-        reply.stream = MessageEvents(message_id, turn.model, len(turn.prompt_ids)).relay(reply.stream)
+        reply.stream = MessageEvents(message_id, turn.model, len(turn.prompt_ids),
+                                     reply.cached_tokens).relay(reply.stream)
         return _respond(reply, turn.clock)
     reply.body = _encode(api.from_completion(message_id, turn.model, _decode(reply.body or b"{}")))
     return _respond(reply, turn.clock)

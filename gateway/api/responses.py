@@ -226,7 +226,8 @@ def usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
     if not chat_usage:
         return None
     prompt, completion = chat_usage.get("prompt_tokens") or 0, chat_usage.get("completion_tokens") or 0
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": completion,
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": completion,
             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion}
 
 

@@ -159,3 +159,29 @@ def test_an_engine_error_mid_stream_fails_the_response():
     assert events[-1]["type"] == "response.failed"
     assert events[-1]["response"]["error"] == {"code": "upstream_error", "message": "D failed"}
 
+
+def test_parallel_calls_are_one_item_each_however_their_fragments_come():
+    calls = [{"index": 0, "id": "a", "function": {"name": "f", "arguments": ""}},
+             {"index": 1, "id": "b", "function": {"name": "g", "arguments": '{"x'}},
+             {"index": 0, "function": {"arguments": '{"c'}}, {"index": 2, "id": "c", "function": {"name": "h"}},
+             {"index": 1, "function": {"arguments": '": 1}'}}, {"index": 0, "function": {"arguments": 'ity": "Z"}'}},
+             {"index": 2, "function": {"arguments": "{}"}}]
+    events, stored = _events(_frames(
+        [{"choices": [{"delta": {"content": "Two. "}}]}],
+        [{"choices": [{"delta": {"tool_calls": [c]}}]} for c in calls],
+        [{"choices": [{"delta": {}, "finish_reason": "tool_calls"}]},
+         {"choices": [], "usage": {"prompt_tokens": 30, "completion_tokens": 5,
+                                   "prompt_tokens_details": {"cached_tokens": 16}}}, "[DONE]"]))
+    added = [e for e in events if e["type"] == "response.output_item.added"]
+    assert [(e["output_index"], e["item"]["type"], e["item"].get("name")) for e in added] == \
+        [(0, "message", None), (1, "function_call", "f"), (2, "function_call", "g"), (3, "function_call", "h")]
+    args = {1: "", 2: "", 3: ""}
+    for e in events:
+        if e["type"] == "response.function_call_arguments.delta":
+            args[e["output_index"]] += e["delta"]
+    final = events[-1]["response"]
+    assert [(i["call_id"], i["arguments"]) for i in final["output"][1:]] == \
+        [("a", '{"city": "Z"}'), ("b", '{"x": 1}'), ("c", "{}")] == [(i["call_id"], args[n + 1]) for n, i in
+                                                                   enumerate(final["output"][1:])]
+    assert sorted(e["output_index"] for e in events if e["type"] == "response.output_item.done") == [0, 1, 2, 3]
+    assert final["usage"]["input_tokens_details"] == {"cached_tokens": 16} and stored == [final]
