@@ -18,7 +18,7 @@ from litestar.types import ASGIApp
 
 from gateway.api import messages as api
 from gateway.api.message_events import MessageEvents
-from gateway.api.routes import Gateway, _request_id, _respond, dropped_tools
+from gateway.api.routes import Gateway, _request_id, _respond, dropped_tools, named_session
 from gateway.api.schemas import ChatRequest, parse
 from gateway.api.sessions import session_id
 from gateway.errors import GatewayError
@@ -65,7 +65,8 @@ async def create_message(request: Request, gateway: NamedDependency[Gateway]) ->
     body, parsed = parse(_encode(api.chat_body(req, model or None)), ChatRequest)
     settings = gateway.settings
     system = (api.system_text(req) or "").encode("utf-8", "surrogatepass")
-    session = session_id(request.headers, {}, settings.session_header, settings.agent_session_headers, system)
+    session = session_id(request.headers, {}, settings.session_header, settings.agent_session_headers, system,
+                         body.get("tools") or (), settings.session_scope)
     key = ConversationKey(tenant, session) if session else None
     async with gateway.runner.claim_ahead(key) as ahead:
         turn = gateway.intake.chat(body, parsed, _request_id(request))
@@ -73,6 +74,7 @@ async def create_message(request: Request, gateway: NamedDependency[Gateway]) ->
         gateway.metrics.turn_seconds.labels("intake").observe(time.perf_counter() - began)
         reply = await gateway.runner.run(turn, key, tenant, ahead)
     dropped_tools(reply, api.hosted_tools(req))
+    named_session(reply, key, settings)
     message_id = api.new_id()
     if reply.stream is not None:
         reply.stream = MessageEvents(message_id, turn.model, len(turn.prompt_ids),

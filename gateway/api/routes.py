@@ -98,10 +98,17 @@ async def _turn(request: Request, gateway: Gateway, schema: type, intake: Callab
         turn.clock = TurnClock(gateway.metrics.gateway_seconds, began)
         gateway.metrics.turn_seconds.labels("intake").observe(time.perf_counter() - began)
         reply = await gateway.runner.run(turn, session, tenant, ahead)
+    named_session(reply, session, gateway.settings)
     return _respond(reply, turn.clock)
 
 
 DROPPED_TOOLS = "X-PD-Dropped-Tools"
+
+
+def named_session(reply: TurnReply, session: ConversationKey | None, settings: Settings) -> None:
+    """The conversation's id as the store and the admin API know it (a session id scoped by its head)."""
+    if session is not None and settings.pd_headers:
+        reply.headers["X-PD-Session"] = session.session
 
 
 def dropped_tools(reply: TurnReply, dropped: list[str]) -> None:
@@ -139,5 +146,6 @@ def _session(request: Request, body: dict[str, Any], settings: Settings, tenant:
     """Header first (name configurable), then an agent harness's header, else body `conversation_id` /
     `session_id` (api/sessions.py), within the caller's tenant: the same session id under another API key is
     another conversation. None: stateless."""
-    session = session_id(request.headers, body, settings.session_header, settings.agent_session_headers)
+    session = session_id(request.headers, body, settings.session_header, settings.agent_session_headers,
+                         scope=settings.session_scope)
     return None if session is None else ConversationKey(tenant, session)

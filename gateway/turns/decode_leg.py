@@ -66,8 +66,9 @@ class DecodeLeg:
             turn.ticket.close()
         headers = turn.reply_headers(self.settings.pd_headers)
         if turn.req.stream:      # policy "buffer": the client asked for a stream; re-stream the whole answer
-            return TurnReply(headers, stream=restream(view, turn.req), cached_tokens=turn.cached_tokens)
-        return TurnReply(headers, body=_encode(view), cached_tokens=turn.cached_tokens)
+            return TurnReply(headers, stream=restream(view, turn.req), cached_tokens=turn.cached_tokens,
+                             session=turn.session)
+        return TurnReply(headers, body=_encode(view), cached_tokens=turn.cached_tokens, session=turn.session)
 
     async def _stream(self, turn: Turn) -> TurnReply:
         stream, sent = await self.open_stream(turn)
@@ -86,7 +87,7 @@ class DecodeLeg:
 
     def relayed(self, turn: Turn, stream: EngineStream, sent: float) -> TurnReply:
         return TurnReply(turn.reply_headers(self.settings.pd_headers), stream=self._relay(turn, stream, sent),
-                         cached_tokens=turn.cached_tokens)
+                         cached_tokens=turn.cached_tokens, session=turn.session)
 
     def _body(self, turn: Turn) -> dict[str, Any]:
         return decode_body(turn.req, turn.prefill_handle, local=turn.plan.local, push=turn.plan.push, pair=turn.pair,

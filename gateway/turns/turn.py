@@ -27,6 +27,7 @@ class TurnReply:
     body: bytes | None = None                       # non-streaming JSON
     stream: AsyncGenerator[bytes, None] | None = None   # SSE frames
     cached_tokens: int = 0                          # prompt tokens not computed (`Turn.cached_tokens`)
+    session: ConversationKey | None = None          # the conversation it was recorded in (found by prefix too)
 
 
 @dataclass

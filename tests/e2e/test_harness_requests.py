@@ -1,10 +1,14 @@
 """The requests real agent harnesses send (issue 37), with the `openai` and `anthropic` packages unchanged, through
-the gateway on the simulators: streamed answers with two and three parallel tool calls, accumulated by the SDKs'
-own stream helpers and compared with the co-located baseline's calls."""
+the gateway on the simulators: Claude Code's system entries inside `messages` and Anthropic server tools, Codex
+CLI's `namespace` and hosted tools, OpenCode's title request on its main loop's `X-Session-Id`, openai-agents'
+default Runner (store true, the whole input resent, no `previous_response_id`); streamed answers with two and
+three parallel tool calls, accumulated by the SDKs' own stream helpers and compared with the co-located
+baseline's calls; reuse reported in each API's usage."""
 
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
 import anthropic
@@ -86,3 +90,128 @@ def test_streamed_parallel_calls_through_the_openai_responses_stream(pd, choice)
             return
     pytest.fail(f"no answer with two and three calls in 40 tries: {seen}")
 
+
+# -- harness requests, their sessions and the reuse their usage reports -------------------------------------
+def _tool_results(uses: list[Any], step: int) -> dict[str, Any]:
+    return {"role": "user", "content": [{"type": "tool_result", "tool_use_id": u.id, "content": f"ok {step}"}
+                                        for u in uses]}
+
+
+def test_claude_code_session_with_system_entries_server_tools_and_a_title_request(pd) -> None:
+    """Claude Code: `system` entries inside `messages`, a server tool beside its own, and a title request (its own
+    system prompt, no tools) on the same session id between main-loop turns."""
+    c, headers = anthropic_client(pd), {"X-Claude-Code-Session-Id": uuid.uuid4().hex}
+    tools = [{"type": "web_search_20250305", "name": "web_search", "max_uses": 3}, *CLAUDE_TOOLS]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Zürich?"}]
+    for step in range(4):
+        raw = c.messages.with_raw_response.create(model="demo", max_tokens=200, system="You are Claude Code.",
+                                                  tools=tools, messages=messages, extra_headers=headers)
+        message = raw.parse()
+        assert raw.headers["x-pd-dropped-tools"] == "web_search_20250305"
+        reused = int(raw.headers["x-pd-reused-tokens"])
+        usage = message.usage
+        # cached: D's KV read, or more where P's prefix cache held more (the tools and system prompt of earlier tests)
+        assert usage.cache_read_input_tokens >= reused
+        if step:
+            assert (raw.headers["x-pd-plan"], raw.headers["x-pd-reason"]) == ("reuse", "continuous") and reused > 0
+        uses = [b for b in message.content if b.type == "tool_use"]
+        messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in message.content]},
+                     _tool_results(uses, step)]
+        if step == 1:       # a mid-conversation system entry, as Claude Code sends them
+            messages.append({"role": "system", "content": [{"type": "text", "text": "The user changed mode."}]})
+            messages.append({"role": "user", "content": "Go on."})
+        title = c.messages.with_raw_response.create(
+            model="demo", max_tokens=20, system="Write a 5-word title.", extra_headers=headers,
+            messages=[{"role": "user", "content": "Weather in Zürich?"}])
+        assert title.headers["x-pd-reason"] in ("first_turn", "prompt_shorter")     # the same title request again
+        assert title.headers["x-pd-session"] != raw.headers["x-pd-session"]
+    assert pd.total("kv_reads_corrupt") == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_opencode_main_loop_keeps_its_reuse_past_its_title_request(pd, stream) -> None:
+    """OpenCode's main loop and its title request share `X-Session-Id`: one conversation each (head-scoped)."""
+    client, headers = pd.client(), {"X-Session-Id": f"ses_{uuid.uuid4().hex}"}
+    messages: list[Any] = [{"role": "system", "content": "You are opencode."},
+                           {"role": "user", "content": "Weather in Lyon?"}]
+    for step in range(4):
+        raw = client.chat.completions.with_raw_response.create(
+            model="demo", messages=messages, tools=CHAT_TOOLS, max_tokens=200, extra_headers=headers, stream=stream,
+            **({"stream_options": {"include_usage": True}} if stream else {}))
+        if stream:
+            chunks = list(raw.parse())
+            usage = next(c.usage for c in chunks if c.usage)
+            calls: dict[int, dict] = {}
+            text = "".join(choice.delta.content or "" for chunk in chunks for choice in chunk.choices)
+            for chunk in chunks:
+                for choice in chunk.choices:
+                    for d in choice.delta.tool_calls or ():
+                        call = calls.setdefault(d.index, {"id": d.id, "type": "function",
+                                                          "function": {"name": "", "arguments": ""}})
+                        call["function"]["name"] += d.function.name or ""
+                        call["function"]["arguments"] += d.function.arguments or ""
+            answer = {"role": "assistant", "content": text if text.strip() else None,
+                      "tool_calls": [calls[i] for i in sorted(calls)]}
+        else:
+            completion = raw.parse()
+            usage, answer = completion.usage, completion.choices[0].message
+        if step:
+            assert (raw.headers["x-pd-plan"], raw.headers["x-pd-reason"]) == ("reuse", "continuous")
+        assert usage.prompt_tokens_details.cached_tokens >= int(raw.headers["x-pd-reused-tokens"])
+        messages.append(answer)
+        ids = [c["id"] for c in answer["tool_calls"]] if stream else [c.id for c in answer.tool_calls]
+        messages += [{"role": "tool", "tool_call_id": i, "content": "sunny"} for i in ids]
+        title = client.chat.completions.with_raw_response.create(model="demo", max_tokens=20, extra_headers=headers,
+                                                                 messages=[{"role": "system", "content": "You are a title generator."},
+                                                                           {"role": "user", "content": "Weather in Lyon?"}])
+        assert title.headers["x-pd-session"] != raw.headers["x-pd-session"]
+    assert pd.total("kv_reads_corrupt") == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_codex_namespace_and_hosted_tools_with_its_session_header(pd, stream) -> None:
+    client, headers = pd.client(), {"session_id": uuid.uuid4().hex}
+    tools = [{"type": "namespace", "name": "mcp__weather", "description": "weather server",
+              "tools": RESPONSES_TOOLS}, {"type": "web_search"}]
+    items: list[Any] = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Paris?"}]}]
+    for step in range(3):
+        raw = client.responses.with_raw_response.create(model="demo", instructions="You are Codex.", input=items,
+                                                        tools=tools, store=False, stream=stream, extra_headers=headers)
+        response = list(raw.parse())[-1].response if stream else raw.parse()
+        assert raw.headers["x-pd-dropped-tools"] == "web_search"
+        assert response.usage.input_tokens_details.cached_tokens >= int(raw.headers["x-pd-reused-tokens"])
+        if step:
+            assert (raw.headers["x-pd-plan"], raw.headers["x-pd-reason"]) == ("reuse", "continuous")
+        calls = [i for i in response.output if i.type == "function_call"]
+        assert calls and {c.name for c in calls} <= set(NAMES)
+        items += [i.model_dump(exclude_none=True) for i in response.output]
+        items += [{"type": "function_call_output", "call_id": c.call_id, "output": "sunny"} for c in calls]
+    assert pd.total("kv_reads_corrupt") == 0
+
+
+def test_openai_agents_default_runner_reuses_without_previous_response_id(pd) -> None:
+    """openai-agents' Runner: `store` left true, the whole input resent each turn, no header: found by prefix (after
+    an answer that mixed text and calls the prefix lookup misses: docs/operations.md, a session header keeps it)."""
+    client, mixed, reused = pd.client(), False, 0
+    items: list[Any] = [{"role": "user", "content": "Plan a trip to Oslo."}]
+    for step in range(5):
+        raw = client.responses.with_raw_response.create(model="demo", instructions="You are an agent.",
+                                                        input=items, tools=RESPONSES_TOOLS)
+        response = raw.parse()
+        if step and not mixed:
+            assert (raw.headers["x-pd-plan"], raw.headers["x-pd-reason"], raw.headers["x-pd-conversation"]) == \
+                ("reuse", "continuous", "prefix")
+            assert response.usage.input_tokens_details.cached_tokens >= int(raw.headers["x-pd-reused-tokens"]) > 0
+            reused += 1
+        calls = [i for i in response.output if i.type == "function_call"]
+        mixed = any(i.type == "message" for i in response.output) and bool(calls)
+        items += [i.model_dump(exclude_none=True) for i in response.output]
+        items += [{"type": "function_call_output", "call_id": c.call_id, "output": "done"} for c in calls]
+    assert reused >= 2
+    # the stored response continues, too
+    follow = client.responses.with_raw_response.create(model="demo", previous_response_id=response.id,
+                                                       instructions="You are an agent.",
+                                                       input="Thanks.", tools=RESPONSES_TOOLS)
+    assert follow.headers["x-pd-plan"] in ("reuse", "partial") and follow.parse().status == "completed", \
+        (follow.headers["x-pd-reason"], follow.headers["x-pd-conversation"])
+    assert pd.total("kv_reads_corrupt") == 0
