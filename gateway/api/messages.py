@@ -37,7 +37,7 @@ _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 class MessagesRequest(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
     model: str | None = None
-    max_tokens: int
+    max_tokens: int = 0                 # required but by count_tokens (parse_request checks it)
     messages: list[dict[str, Any]]
     system: str | list[dict[str, Any]] | None = None
     stop_sequences: list[str] | None = None
@@ -50,14 +50,17 @@ class MessagesRequest(msgspec.Struct, forbid_unknown_fields=False, kw_only=True)
     metadata: dict[str, Any] | None = None
 
 
-def parse_request(raw: bytes) -> MessagesRequest:
+def parse_request(raw: bytes, counting: bool = False) -> MessagesRequest:
+    """`counting`: a `/v1/messages/count_tokens` body (no `max_tokens`: one token is assumed)."""
     try:
         req = msgspec.json.decode(raw, type=MessagesRequest)
     except msgspec.ValidationError as exc:
         raise InvalidRequestError(f"invalid request: {exc}") from None
     except msgspec.DecodeError as exc:
         raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
-    if req.max_tokens < 1:
+    if counting:
+        req.max_tokens, req.stream = 1, False
+    elif req.max_tokens < 1:
         raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
     if not req.messages:
         raise InvalidRequestError("messages must not be empty", param="messages")

@@ -84,7 +84,18 @@ async def create_message(request: Request, gateway: NamedDependency[Gateway]) ->
     return _respond(reply, turn.clock)
 
 
-MESSAGES_ROUTES = [create_message]
+@post("/v1/messages/count_tokens", status_code=200, exception_handlers=ANTHROPIC_HANDLERS)
+async def count_tokens(request: Request, gateway: NamedDependency[Gateway]) -> dict[str, int]:
+    """The request's prompt tokens as the turn would send them: translated and rendered with the model's chat
+    template (tools included), nothing run. `max_tokens` is not part of this request (Anthropic's API)."""
+    gateway.api_keys.tenant_for(_authorization(request))
+    req = api.parse_request(await request.body(), counting=True)
+    model = gateway.intake.model_for(req.model)
+    body, parsed = parse(_encode(api.chat_body(req, model or None)), ChatRequest)
+    return {"input_tokens": len(gateway.intake.chat(body, parsed, _request_id(request)).prompt_ids)}
+
+
+MESSAGES_ROUTES = [create_message, count_tokens]
 
 
 def _authorization(request: Request) -> str | None:

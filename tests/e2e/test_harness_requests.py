@@ -111,7 +111,9 @@ def test_claude_code_session_with_system_entries_server_tools_and_a_title_reques
         reused = int(raw.headers["x-pd-reused-tokens"])
         usage = message.usage
         # cached: D's KV read, or more where P's prefix cache held more (the tools and system prompt of earlier tests)
-        assert usage.cache_read_input_tokens >= reused
+        assert usage.cache_read_input_tokens >= reused and usage.input_tokens + usage.cache_read_input_tokens == \
+            anthropic_client(pd).messages.count_tokens(model="demo", system="You are Claude Code.", tools=tools,
+                                                       messages=messages).input_tokens
         if step:
             assert (raw.headers["x-pd-plan"], raw.headers["x-pd-reason"]) == ("reuse", "continuous") and reused > 0
         uses = [b for b in message.content if b.type == "tool_use"]
@@ -215,3 +217,16 @@ def test_openai_agents_default_runner_reuses_without_previous_response_id(pd) ->
     assert follow.headers["x-pd-plan"] in ("reuse", "partial") and follow.parse().status == "completed", \
         (follow.headers["x-pd-reason"], follow.headers["x-pd-conversation"])
     assert pd.total("kv_reads_corrupt") == 0
+
+
+def test_count_tokens_is_the_prompt_the_turn_sends(pd) -> None:
+    c = anthropic_client(pd)
+    kwargs: dict[str, Any] = {"model": "demo", "system": "Count me.", "tools": CLAUDE_TOOLS,
+                              "messages": [{"role": "user", "content": f"How many tokens? {uuid.uuid4().hex}"}]}
+    counted = c.messages.count_tokens(**kwargs).input_tokens
+    usage = c.messages.create(max_tokens=5, **kwargs).usage
+    assert counted == usage.input_tokens + usage.cache_read_input_tokens > 0
+    assert c.messages.count_tokens(**{**kwargs, "tools": []}).input_tokens < counted      # tools rendered too
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        c.messages.count_tokens(**{**kwargs, "model": "nope"})
+    assert caught.value.body["type"] == "error" and caught.value.body["error"]["type"] == "not_found_error"
