@@ -29,6 +29,7 @@ from typing import Any
 
 import msgspec
 
+from gateway.api.validation import MEDIA_PARTS, media_part, not_json
 from gateway.errors import InvalidRequestError
 
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
@@ -57,7 +58,7 @@ def parse_request(raw: bytes, counting: bool = False) -> MessagesRequest:
     except msgspec.ValidationError as exc:
         raise InvalidRequestError(f"invalid request: {exc}") from None
     except msgspec.DecodeError as exc:
-        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+        raise not_json(raw, exc) from None
     if counting:
         req.max_tokens, req.stream = 1, False
     elif req.max_tokens < 1:
@@ -118,9 +119,11 @@ def _assistant(blocks: list[Any], i: int) -> dict[str, Any]:
             texts.append(_string(block, "text", f"messages[{i}].content[{j}]"))
         elif kind == "tool_use":
             where = f"messages[{i}].content[{j}]"
+            arguments = block.get("input", {})
+            if not isinstance(arguments, dict):
+                raise InvalidRequestError("a tool_use block's input must be an object", param=f"{where}.input")
             calls.append({"id": _string(block, "id", where), "type": "function", "function": {
-                "name": _string(block, "name", where),
-                "arguments": json.dumps(block.get("input") or {}, ensure_ascii=False)}})
+                "name": _string(block, "name", where), "arguments": json.dumps(arguments, ensure_ascii=False)}})
         elif kind not in ("thinking", "redacted_thinking"):
             raise InvalidRequestError(f"assistant content blocks of type {kind!r} are not supported",
                                       param=f"messages[{i}].content[{j}]")
@@ -137,6 +140,8 @@ def _user(blocks: list[Any], i: int) -> list[dict[str, Any]]:
         where = f"messages[{i}].content[{j}]"
         if kind == "text":
             texts.append(_string(block, "text", where))
+        elif kind in MEDIA_PARTS:
+            raise media_part(kind, where)
         elif kind == "tool_result":
             out.append({"role": "tool", "tool_call_id": _string(block, "tool_use_id", where),
                         "content": _text(block.get("content") or "", f"{where}.content")})
@@ -153,10 +158,13 @@ def _text(content: Any, where: str) -> str:
     if not isinstance(content, list):
         raise InvalidRequestError(f"{where} must be a string or a list of text blocks", param=where)
     return "\n".join(_string(b, "text", f"{where}[{j}]") if isinstance(b, dict) and b.get("type") == "text"
-                     else _not_text(f"{where}[{j}]") for j, b in enumerate(content))
+                     else _not_text(b, f"{where}[{j}]") for j, b in enumerate(content))
 
 
-def _not_text(where: str) -> str:
+def _not_text(block: Any, where: str) -> str:
+    kind = block.get("type") if isinstance(block, dict) else None
+    if kind in MEDIA_PARTS:
+        raise media_part(kind, where)
     raise InvalidRequestError("only text blocks are supported here", param=where)
 
 

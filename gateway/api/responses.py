@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 
+from gateway.api.validation import MEDIA_PARTS, media_part, not_json
 from gateway.errors import InvalidRequestError
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -56,7 +57,7 @@ def parse_request(raw: bytes) -> ResponsesRequest:
     except msgspec.ValidationError as exc:
         raise InvalidRequestError(f"invalid request: {exc}") from None
     except msgspec.DecodeError as exc:
-        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+        raise not_json(raw, exc) from None
     if req.background:
         raise InvalidRequestError("background responses are not supported", param="background")
     if req.conversation is not None:
@@ -128,7 +129,10 @@ def _text(content: Any, where: str) -> str:
         raise InvalidRequestError(f"{where} must be a string or a list of text parts", param=where)
     texts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in MEDIA_PARTS:
+            raise media_part(kind, f"{where}[{j}]")
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
             raise InvalidRequestError("only text content parts are supported", param=f"{where}[{j}]")
         texts.append(part["text"])
     return "\n".join(texts)

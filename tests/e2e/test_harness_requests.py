@@ -230,3 +230,77 @@ def test_count_tokens_is_the_prompt_the_turn_sends(pd) -> None:
     with pytest.raises(anthropic.NotFoundError) as caught:
         c.messages.count_tokens(**{**kwargs, "model": "nope"})
     assert caught.value.body["type"] == "error" and caught.value.body["error"]["type"] == "not_found_error"
+
+
+# -- refusals: upstream-matching checks, each API's shape, logged and counted ------------------------------------
+def _post(pd, path: str, body: bytes | dict, method: str = "POST") -> tuple[int, dict]:
+    import httpx
+
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.request(method, pd.gateway.url + path, content=content, headers={"content-type": "application/json"})
+    return r.status_code, r.json()
+
+
+def _openai_param(answer: tuple[int, dict]) -> tuple[int, str | None]:
+    status, body = answer
+    assert set(body) == {"error"} and body["error"]["type"] == "invalid_request_error", body
+    return status, body["error"]["param"]
+
+
+def test_refusals_match_the_upstream_apis_and_are_counted(pd) -> None:
+    before = pd.metric("pdgw_rejected_total", api="chat", reason="invalid_request_error")
+    user = {"role": "user", "content": "hi"}
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    for fields, param in (({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+                          ({"messages": [user], "temperature": -0.5}, "temperature"),
+                          ({"messages": [user], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+                          ({"messages": [{"role": "user", "content": [{"type": "text", "text": "see"}, image]}]},
+                           "messages[0].content[1]"),
+                          ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+                           "messages[0].content[0]")):
+        assert _openai_param(_post(pd, "/v1/chat/completions", {"model": "demo", **fields})) == (400, param)
+    assert pd.metric("pdgw_rejected_total", api="chat", reason="invalid_request_error") - before == 5
+    status, body = _post(pd, "/v1/chat/completions", {"model": "demo", "messages": [
+        {"role": "user", "content": [image]}]})
+    assert "text-only" in body["error"]["message"]
+    picture = [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]
+    assert _openai_param(_post(pd, "/v1/responses", {"model": "demo", "input": picture})) == \
+        (400, "input[0].content[0]")
+    assert _openai_param(_post(pd, "/v1/responses", {"model": "demo", "input": "x", "temperature": -1})) == \
+        (400, "temperature")
+
+
+def _anthropic(answer: tuple[int, dict]) -> tuple[int, str, str]:
+    status, body = answer
+    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+    return status, body["error"]["type"], body["error"]["message"]
+
+
+def test_every_messages_path_answers_in_anthropic_shape(pd) -> None:
+    ask = {"model": "demo", "max_tokens": 5}
+    bad_input = [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": "[1]"}]}]
+    image = [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": "AAAA"}}]}]
+    assert _anthropic(_post(pd, "/v1/messages", {**ask, "messages": bad_input}))[:2] == \
+        (400, "invalid_request_error")
+    status, _, message = _anthropic(_post(pd, "/v1/messages", {**ask, "messages": image}))
+    assert status == 400 and "image" in message and "text-only" in message
+    assert _anthropic(_post(pd, "/v1/messages", {**ask, "temperature": -1, "messages": [
+        {"role": "user", "content": "x"}]}))[:2] == (400, "invalid_request_error")
+    assert _anthropic(_post(pd, "/v1/messages", b"", method="GET"))[:2] == (405, "invalid_request_error")
+    assert _anthropic(_post(pd, "/v1/messages/batches", {}))[:2] == (404, "not_found_error")
+    assert _anthropic(_post(pd, "/v1/messages/count_tokens", b"{"))[:2] == (400, "invalid_request_error")
+    assert pd.metric("pdgw_rejected_total", api="messages", reason="method_not_allowed") >= 1
+
+
+def test_a_lone_surrogate_is_refused_in_the_same_words_on_every_api(pd) -> None:
+    text = b'"a\\ud800b"'
+    bodies = {"/v1/chat/completions": b'{"model":"demo","messages":[{"role":"user","content":' + text + b"}]}",
+              "/v1/responses": b'{"model":"demo","input":' + text + b"}",
+              "/v1/messages": b'{"model":"demo","max_tokens":5,"messages":[{"role":"user","content":' + text + b"}]}"}
+    messages = []
+    for path, body in bodies.items():
+        status, answer = _post(pd, path, body)
+        assert status == 400
+        messages.append((answer["error"]["message"]))
+    strip = [m.replace("`messages[0].content`", "`X`").replace("`input`", "`X`") for m in messages]
+    assert len(set(strip)) == 1 and "surrogate" in strip[0], messages

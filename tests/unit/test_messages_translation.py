@@ -81,6 +81,10 @@ def test_chat_body_carries_system_tools_and_sampling():
     ({"messages": [{"role": "system", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0]"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0]"),
     ({"tools": [{"type": "custom", "description": "no name"}]}, "tools[0]"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": "[1]"}]}]},
+     "messages[0].content[0].input"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+        {"type": "image", "source": {}}]}]}]}, "messages[0].content[0].content[0]"),
     ({"tool_choice": {"type": "maybe"}}, "tool_choice"),
 ])
 def test_unsupported_input_names_the_field(fields, param):
