@@ -18,6 +18,7 @@ from gateway.api.events import EventStream
 from gateway.api.openapi import openapi_json
 from gateway.api.schemas import ChatRequest, CompletionRequest, parse
 from gateway.api.sessions import session_id
+from gateway.api.validation import check_stop
 from gateway.config import Settings
 from gateway.telemetry import Metrics
 from gateway.turns.intake.clock import TurnClock
@@ -92,6 +93,7 @@ async def _turn(request: Request, gateway: Gateway, schema: type, intake: Callab
     began = time.perf_counter()
     tenant = gateway.api_keys.tenant_for(request.headers.get("authorization"))
     body, parsed = parse(await request.body(), schema)
+    check_stop(body)
     session = _session(request, body, gateway.settings, tenant)
     async with gateway.runner.claim_ahead(session) as ahead:
         turn = intake(body, parsed, _request_id(request))

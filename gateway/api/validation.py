@@ -42,9 +42,14 @@ def media_part(kind: str, where: str) -> InvalidRequestError:
 
 
 def check_sampling(body: dict[str, Any]) -> None:
+    """Every API's chat body (the translations' too)."""
     temperature = body.get("temperature")
     if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature < 0:
         raise InvalidRequestError("temperature must be at least 0", param="temperature")
+
+
+def check_stop(body: dict[str, Any]) -> None:
+    """OpenAI's chat and completions only: Anthropic's `stop_sequences` have no such limit (and vLLM none)."""
     stop = body.get("stop")
     if isinstance(stop, list) and len(stop) > MAX_STOP:
         raise InvalidRequestError(f"stop may hold at most {MAX_STOP} sequences", param="stop")

@@ -304,3 +304,9 @@ def test_a_lone_surrogate_is_refused_in_the_same_words_on_every_api(pd) -> None:
         messages.append((answer["error"]["message"]))
     strip = [m.replace("`messages[0].content`", "`X`").replace("`input`", "`X`") for m in messages]
     assert len(set(strip)) == 1 and "surrogate" in strip[0], messages
+
+
+def test_anthropic_stop_sequences_have_no_openai_limit(pd) -> None:
+    message = anthropic_client(pd).messages.create(model="demo", max_tokens=5, messages=[
+        {"role": "user", "content": "x"}], stop_sequences=["a1", "b2", "c3", "d4", "e5", "f6"])
+    assert message.stop_reason in ("end_turn", "max_tokens", "stop_sequence")
