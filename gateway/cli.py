@@ -24,6 +24,7 @@ HELP = {
     "block_size": "KV block size (default: read from the engines' vllm:cache_config_info)",
     "session_header": "request header carrying the session id",
     "agent_session_headers": "headers coding agents send their session id in, tried in order after --session-header (each names one conversation per system prompt); none: off",
+    "session_scope": "head: a session id names one conversation per head (system prompt and tools), so a title or subagent request on the main loop's id keeps the main loop's reuse; exact: --session-header and body ids as given (harness headers are always scoped)",
     "conversation_lookup": "how a turn finds its conversation: session (id only), prefix (tokens only) or both",
     "decoder_kv_blocks_ttl_s": "D's decoder_kv_blocks_ttl: how long D pins a finished turn's KV",
     "decode_kv_lease_s": "D's kv_lease_duration: how long D holds a local turn's KV (must equal D's setting)",

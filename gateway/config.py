@@ -49,6 +49,7 @@ LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 LogFormat = Literal["text", "json"]
 TracingMode = Literal["off", "console", "otlp"]
 ConversationLookup = Literal["session", "prefix", "both"]   # how a turn finds its conversation
+SessionScope = Literal["head", "exact"]   # a session id scoped by the conversation's head (api/sessions.py), or not
 PinPolicy = Literal["adaptive", "lru"]   # the pin budget: earned and D's pressure (earning.py), or fixed with LRU
 KVTransferMode = Literal["auto", "pull", "push"]   # NixlConnector or NixlPushConnector (docs/protocol.md §8)
 
@@ -78,6 +79,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     session_header: str = DEFAULT_SESSION_HEADER
     agent_session_headers: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_AGENT_SESSION_HEADERS))
     conversation_lookup: ConversationLookup = "both"  # session id, token prefix (no session id), or both
+    session_scope: SessionScope = "head"          # a session id names one conversation per system prompt + tools
     decoder_kv_blocks_ttl_s: NonNegativeSeconds = DEFAULT_DECODER_KV_BLOCKS_TTL_S
     decode_kv_lease_s: NonNegativeSeconds = DEFAULT_DECODE_KV_LEASE_S  # D's kv_lease_duration (local-turn handles)
     handle_ttl_margin_s: NonNegativeSeconds = DEFAULT_HANDLE_TTL_MARGIN_S

@@ -85,6 +85,9 @@ class Metrics:
             ["span"], buckets=GATEWAY_BUCKETS, registry=r)
         self.upstream_errors = Counter(
             "pdgw_upstream_errors", "Engine errors by pool and kind", ["pool", "kind"], registry=r)
+        self.rejected = Counter(
+            "pdgw_rejected", "Requests refused as the client's fault (4xx), by API and reason (the error code)",
+            ["api", "reason"], registry=r)
         self.engine_healthy = Gauge("pdgw_engine_healthy", "1 if the engine passes health checks",
                                     ["pool", "engine"], registry=r)
         self.local_bound_tokens = Histogram(

@@ -3,7 +3,8 @@
     message_start                              the message, empty, with its input tokens
     content_block_start, content_block_delta ..., content_block_stop
                                                per text block (text_delta) and per tool call (tool_use,
-                                               input_json_delta with the arguments as they come)
+                                               input_json_delta with the arguments as they come): one block
+                                               per chat tool-call index
     message_delta                              stop_reason, stop_sequence, output tokens
     message_stop
 An engine failure after the first byte ends the stream with an `error` event (Anthropic's error shape).
@@ -11,6 +12,7 @@ An engine failure after the first byte ends the stream with an `error` event (An
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -19,15 +21,23 @@ import msgspec
 from gateway.api.messages import message, stop_reason
 from gateway.api.response_events import DONE, payloads
 
+log = logging.getLogger("gateway.api")
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
 
 
 class MessageEvents:
-    def __init__(self, message_id: str, model: str, input_tokens: int) -> None:
-        self.message_id, self.model, self.input_tokens = message_id, model, input_tokens
-        self.block = -1                       # index of the open content block (-1: none yet)
-        self.open: str | None = None          # "text", or the chat tool-call index of the open tool_use block
+    """One content block per text run and one per tool call: a call's block is found by its chat `index`, so its
+    argument fragments land in it whatever came between them (OpenAI's stream format lets calls interleave), and
+    stays open until text resumes or the answer ends."""
+
+    def __init__(self, message_id: str, model: str, input_tokens: int, cached_tokens: int = 0) -> None:
+        self.message_id, self.model = message_id, model
+        self.input_tokens, self.cached_tokens = input_tokens, cached_tokens
+        self.blocks = 0                       # content blocks started so far (the next one's index)
+        self.text: int | None = None          # the open text block's index
+        self.calls: dict[int, int] = {}       # open tool_use blocks: chat tool-call index -> block index
+        self.done: set[int] = set()           # chat tool-call indexes whose block is closed
         self.finish: str | None = None
         self.matched: Any = None
         self.output_tokens = 0
@@ -36,7 +46,7 @@ class MessageEvents:
 
     async def relay(self, chat: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
         start = message(self.message_id, self.model, content=[], stop=(None, None), input_tokens=self.input_tokens,
-                        output_tokens=0)
+                        output_tokens=0, cached_tokens=self.cached_tokens)
         yield _event("message_start", message=start)
         try:
             async for frame in chat:
@@ -67,13 +77,15 @@ class MessageEvents:
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
             piece = delta.get("content")
-            if piece and self.open != "text" and not piece.strip():
+            if piece and self.text is None and not piece.strip():
                 self.blank += piece            # whitespace around tool calls is no text block of its own
             elif piece:
-                if self.open != "text":
-                    out += self._start({"type": "text", "text": ""}, "text")
+                if self.text is None:
+                    out += self._close()
+                    self.text = self._start({"type": "text", "text": ""}, out)
                     piece, self.blank = self.blank + piece, ""
-                out.append(self._delta({"type": "text_delta", "text": piece}))
+                out.append(_event("content_block_delta", index=self.text,
+                                  delta={"type": "text_delta", "text": piece}))
             for call in delta.get("tool_calls") or ():
                 out += self._call(call)
             self.finish = choice.get("finish_reason") or self.finish
@@ -82,31 +94,35 @@ class MessageEvents:
 
     def _call(self, call: dict[str, Any]) -> list[bytes]:
         out: list[bytes] = []
-        index = f"call {call.get('index', 0)}"
+        key = call.get("index", 0)
         function = call.get("function") or {}
-        if self.open != index:
+        if key in self.done:
+            log.warning("message %s: arguments for tool call %s after its block closed, dropped",
+                        self.message_id, key)
+            return out
+        if key not in self.calls:
+            if self.text is not None:
+                out += self._close()
             self.blank = ""
-            block = {"type": "tool_use", "id": call.get("id") or f"toolu_{self.message_id}_{self.block + 1}",
+            block = {"type": "tool_use", "id": call.get("id") or f"toolu_{self.message_id}_{self.blocks}",
                      "name": function.get("name") or "", "input": {}}
-            out += self._start(block, index)
+            self.calls[key] = self._start(block, out)
         if function.get("arguments"):
-            out.append(self._delta({"type": "input_json_delta", "partial_json": function["arguments"]}))
+            out.append(_event("content_block_delta", index=self.calls[key],
+                              delta={"type": "input_json_delta", "partial_json": function["arguments"]}))
         return out
 
-    def _start(self, block: dict[str, Any], kind: str) -> list[bytes]:
-        out = self._close()
-        self.block += 1
-        self.open = kind
-        return [*out, _event("content_block_start", index=self.block, content_block=block)]
-
-    def _delta(self, delta: dict[str, Any]) -> bytes:
-        return _event("content_block_delta", index=self.block, delta=delta)
+    def _start(self, block: dict[str, Any], out: list[bytes]) -> int:
+        out.append(_event("content_block_start", index=self.blocks, content_block=block))
+        self.blocks += 1
+        return self.blocks - 1
 
     def _close(self) -> list[bytes]:
-        if self.open is None:
-            return []
-        self.open = None
-        return [_event("content_block_stop", index=self.block)]
+        """Stop every open block, in block order."""
+        open_ = sorted([*self.calls.values(), *([self.text] if self.text is not None else [])])
+        self.done.update(self.calls)
+        self.text, self.calls = None, {}
+        return [_event("content_block_stop", index=index) for index in open_]
 
 
 def _event(kind: str, **fields: Any) -> bytes:

@@ -3,11 +3,16 @@ message_events.py, the handler and Anthropic's error shape messages_routes.py.
 
     Messages request                       chat request
     system (text or text blocks)           a leading system message
+    {"role": "system"} inside messages     a system message in its place (Claude Code's mid-conversation system
+                                           entries: rendered as the template renders any system message, so
+                                           the same request always renders the same and reuse holds)
     user text / text blocks                a user message (texts joined by newlines)
     user tool_result blocks                tool messages (tool_call_id = tool_use_id), before the user's text
     assistant text + tool_use blocks       one assistant message: content + tool_calls (input as JSON arguments)
     thinking / redacted_thinking blocks    dropped (the engines' templates render no such blocks)
     tools {name, description, input_schema} function tools {name, description, parameters}
+    server tools (web_search_20250305, ...) dropped: the engines cannot run them (`hosted_tools` names them,
+                                           the handler says so in X-PD-Dropped-Tools)
     tool_choice auto / any / tool / none   "auto" / "required" / a named function / "none"
     max_tokens, stop_sequences, temperature, top_p, top_k, stream    max_tokens, stop, ..., stream
 
@@ -24,6 +29,7 @@ from typing import Any
 
 import msgspec
 
+from gateway.api.validation import MEDIA_PARTS, media_part, not_json
 from gateway.errors import InvalidRequestError
 
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
@@ -32,7 +38,7 @@ _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 class MessagesRequest(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
     model: str | None = None
-    max_tokens: int
+    max_tokens: int = 0                 # required but by count_tokens (parse_request checks it)
     messages: list[dict[str, Any]]
     system: str | list[dict[str, Any]] | None = None
     stop_sequences: list[str] | None = None
@@ -45,14 +51,17 @@ class MessagesRequest(msgspec.Struct, forbid_unknown_fields=False, kw_only=True)
     metadata: dict[str, Any] | None = None
 
 
-def parse_request(raw: bytes) -> MessagesRequest:
+def parse_request(raw: bytes, counting: bool = False) -> MessagesRequest:
+    """`counting`: a `/v1/messages/count_tokens` body (no `max_tokens`: one token is assumed)."""
     try:
         req = msgspec.json.decode(raw, type=MessagesRequest)
     except msgspec.ValidationError as exc:
         raise InvalidRequestError(f"invalid request: {exc}") from None
     except msgspec.DecodeError as exc:
-        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
-    if req.max_tokens < 1:
+        raise not_json(raw, exc) from None
+    if counting:
+        req.max_tokens, req.stream = 1, False
+    elif req.max_tokens < 1:
         raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
     if not req.messages:
         raise InvalidRequestError("messages must not be empty", param="messages")
@@ -68,8 +77,9 @@ def chat_body(req: MessagesRequest, model: str | None) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model, "max_tokens": req.max_tokens, "stream": bool(req.stream),
         "messages": [*([{"role": "system", "content": system}] if system else []), *chat_messages(req.messages)]}
-    if req.tools:
-        body["tools"] = [_tool(t, i) for i, t in enumerate(req.tools)]
+    tools = [_tool(t, i) for i, t in enumerate(req.tools or ()) if not _hosted(t)]
+    if tools:
+        body["tools"] = tools
     if req.tool_choice is not None:
         body.update(_tool_choice(req.tool_choice))
     for name, value in (("stop", req.stop_sequences), ("temperature", req.temperature), ("top_p", req.top_p),
@@ -85,9 +95,12 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         role, content = message.get("role"), message.get("content")
-        if role not in ("user", "assistant"):
-            raise InvalidRequestError("a message's role must be user or assistant", param=f"messages[{i}].role")
-        if isinstance(content, str):
+        if role not in ("user", "assistant", "system"):
+            raise InvalidRequestError("a message's role must be user, assistant or system",
+                                      param=f"messages[{i}].role")
+        if role == "system":
+            out.append({"role": "system", "content": _text(content, f"messages[{i}].content")})
+        elif isinstance(content, str):
             out.append({"role": role, "content": content})
         elif not isinstance(content, list):
             raise InvalidRequestError("content must be a string or a list of blocks", param=f"messages[{i}].content")
@@ -106,9 +119,11 @@ def _assistant(blocks: list[Any], i: int) -> dict[str, Any]:
             texts.append(_string(block, "text", f"messages[{i}].content[{j}]"))
         elif kind == "tool_use":
             where = f"messages[{i}].content[{j}]"
+            arguments = block.get("input", {})
+            if not isinstance(arguments, dict):
+                raise InvalidRequestError("a tool_use block's input must be an object", param=f"{where}.input")
             calls.append({"id": _string(block, "id", where), "type": "function", "function": {
-                "name": _string(block, "name", where),
-                "arguments": json.dumps(block.get("input") or {}, ensure_ascii=False)}})
+                "name": _string(block, "name", where), "arguments": json.dumps(arguments, ensure_ascii=False)}})
         elif kind not in ("thinking", "redacted_thinking"):
             raise InvalidRequestError(f"assistant content blocks of type {kind!r} are not supported",
                                       param=f"messages[{i}].content[{j}]")
@@ -125,6 +140,8 @@ def _user(blocks: list[Any], i: int) -> list[dict[str, Any]]:
         where = f"messages[{i}].content[{j}]"
         if kind == "text":
             texts.append(_string(block, "text", where))
+        elif kind in MEDIA_PARTS:
+            raise media_part(kind, where)
         elif kind == "tool_result":
             out.append({"role": "tool", "tool_call_id": _string(block, "tool_use_id", where),
                         "content": _text(block.get("content") or "", f"{where}.content")})
@@ -141,10 +158,13 @@ def _text(content: Any, where: str) -> str:
     if not isinstance(content, list):
         raise InvalidRequestError(f"{where} must be a string or a list of text blocks", param=where)
     return "\n".join(_string(b, "text", f"{where}[{j}]") if isinstance(b, dict) and b.get("type") == "text"
-                     else _not_text(f"{where}[{j}]") for j, b in enumerate(content))
+                     else _not_text(b, f"{where}[{j}]") for j, b in enumerate(content))
 
 
-def _not_text(where: str) -> str:
+def _not_text(block: Any, where: str) -> str:
+    kind = block.get("type") if isinstance(block, dict) else None
+    if kind in MEDIA_PARTS:
+        raise media_part(kind, where)
     raise InvalidRequestError("only text blocks are supported here", param=where)
 
 
@@ -153,6 +173,16 @@ def _string(block: dict[str, Any], name: str, where: str) -> str:
     if not isinstance(value, str):
         raise InvalidRequestError(f"{name} must be a string", param=f"{where}.{name}")
     return value
+
+
+def hosted_tools(req: MessagesRequest) -> list[str]:
+    """The server tools of the request (Anthropic runs them, the engines cannot): dropped, named by type."""
+    return [t["type"] for t in req.tools or () if _hosted(t)]
+
+
+def _hosted(tool: Any) -> bool:
+    """A server tool: a typed tool other than `custom` (web_search_20250305, bash_20250124, computer_*, ...)."""
+    return isinstance(tool, dict) and isinstance(tool.get("type"), str) and tool["type"] != "custom"
 
 
 def _tool(tool: Any, i: int) -> dict[str, Any]:
@@ -203,10 +233,18 @@ def tool_use(call: dict[str, Any]) -> dict[str, Any]:
 
 
 def message(message_id: str, model: str, *, content: list[dict[str, Any]], stop: tuple[str | None, str | None],
-            input_tokens: int, output_tokens: int) -> dict[str, Any]:
+            input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": stop[0], "stop_sequence": stop[1],
-            "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}
+            "usage": usage(input_tokens, output_tokens, cached_tokens)}
+
+
+def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """Anthropic's usage: `input_tokens` are the prompt tokens not read from a cache, `cache_read_input_tokens`
+    those served from D's KV (or P's prefix cache), so their sum is the prompt, as Anthropic counts it."""
+    cached = min(max(cached_tokens, 0), prompt_tokens)
+    return {"input_tokens": prompt_tokens - cached, "output_tokens": output_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
 def from_completion(message_id: str, model: str, completion: dict[str, Any]) -> dict[str, Any]:
@@ -214,7 +252,9 @@ def from_completion(message_id: str, model: str, completion: dict[str, Any]) -> 
     chat = choice.get("message") or {}
     content = [{"type": "text", "text": chat["content"]}] if chat.get("content") else []
     content += [tool_use(call) for call in chat.get("tool_calls") or ()]
-    usage = completion.get("usage") or {}
+    chat_usage = completion.get("usage") or {}
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return message(message_id, model, content=content,
                    stop=stop_reason(choice.get("finish_reason"), choice.get("stop_reason")),
-                   input_tokens=usage.get("prompt_tokens") or 0, output_tokens=usage.get("completion_tokens") or 0)
+                   input_tokens=chat_usage.get("prompt_tokens") or 0,
+                   output_tokens=chat_usage.get("completion_tokens") or 0, cached_tokens=cached)

@@ -1,5 +1,6 @@
 """`POST /v1/messages`: Anthropic's Messages API over the chat turn (translation in messages.py, events in
-message_events.py), its errors in Anthropic's shape: {"type": "error", "error": {"type", "message"}}.
+message_events.py), its errors in Anthropic's shape: {"type": "error", "error": {"type", "message"}} (api/errors.py
+answers so on every `/v1/messages*` path).
 
 The conversation is named as for chat (api/sessions.py: the session header, an agent's own header such as
 Claude Code's X-Claude-Code-Session-Id, scoped by the system prompt), else found by its tokens.
@@ -7,56 +8,26 @@ Claude Code's X-Claude-Code-Session-Id, scoped by the system prompt), else found
 
 from __future__ import annotations
 
-import logging
 import time
 
 import msgspec
-from litestar import Request, Response, post
+from litestar import Request, post
 from litestar.di import NamedDependency
-from litestar.exceptions import HTTPException
 from litestar.types import ASGIApp
 
 from gateway.api import messages as api
 from gateway.api.message_events import MessageEvents
-from gateway.api.routes import Gateway, _request_id, _respond
+from gateway.api.routes import Gateway, _request_id, _respond, dropped_tools, named_session
 from gateway.api.schemas import ChatRequest, parse
 from gateway.api.sessions import session_id
-from gateway.errors import GatewayError
 from gateway.turns.admin import ConversationKey
 from gateway.turns.intake.clock import TurnClock
 
-log = logging.getLogger("gateway.api")
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
-# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors)
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error",
-          503: "overloaded_error"}
 
 
-def anthropic_error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-    kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    return Response({"type": "error", "error": {"type": kind, "message": message}}, status_code=status,
-                     media_type="application/json", headers=headers)
-
-
-def _gateway_error(_: Request, exc: GatewayError) -> Response:
-    return anthropic_error(exc.status, exc.message, exc.headers)
-
-
-def _http_error(_: Request, exc: HTTPException) -> Response:
-    return anthropic_error(exc.status_code, "request body too large" if exc.status_code == 413 else str(exc.detail))
-
-
-def _unexpected(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error on %s", request.url.path)
-    return anthropic_error(500, "internal gateway error")
-
-
-ANTHROPIC_HANDLERS = {GatewayError: _gateway_error, HTTPException: _http_error, Exception: _unexpected}
-
-
-@post("/v1/messages", status_code=200, exception_handlers=ANTHROPIC_HANDLERS)
+@post("/v1/messages", status_code=200)
 async def create_message(request: Request, gateway: NamedDependency[Gateway]) -> ASGIApp:
     began = time.perf_counter()
     tenant = gateway.api_keys.tenant_for(_authorization(request))
@@ -65,22 +36,37 @@ async def create_message(request: Request, gateway: NamedDependency[Gateway]) ->
     body, parsed = parse(_encode(api.chat_body(req, model or None)), ChatRequest)
     settings = gateway.settings
     system = (api.system_text(req) or "").encode("utf-8", "surrogatepass")
-    session = session_id(request.headers, {}, settings.session_header, settings.agent_session_headers, system)
+    session = session_id(request.headers, {}, settings.session_header, settings.agent_session_headers, system,
+                         body.get("tools") or (), settings.session_scope)
     key = ConversationKey(tenant, session) if session else None
     async with gateway.runner.claim_ahead(key) as ahead:
         turn = gateway.intake.chat(body, parsed, _request_id(request))
         turn.clock = TurnClock(gateway.metrics.gateway_seconds, began)
         gateway.metrics.turn_seconds.labels("intake").observe(time.perf_counter() - began)
         reply = await gateway.runner.run(turn, key, tenant, ahead)
+    dropped_tools(reply, api.hosted_tools(req))
+    named_session(reply, key, settings)
     message_id = api.new_id()
     if reply.stream is not None:
-        reply.stream = MessageEvents(message_id, turn.model, len(turn.prompt_ids)).relay(reply.stream)
+        reply.stream = MessageEvents(message_id, turn.model, len(turn.prompt_ids),
+                                     reply.cached_tokens).relay(reply.stream)
         return _respond(reply, turn.clock)
     reply.body = _encode(api.from_completion(message_id, turn.model, _decode(reply.body or b"{}")))
     return _respond(reply, turn.clock)
 
 
-MESSAGES_ROUTES = [create_message]
+@post("/v1/messages/count_tokens", status_code=200)
+async def count_tokens(request: Request, gateway: NamedDependency[Gateway]) -> dict[str, int]:
+    """The request's prompt tokens as the turn would send them: translated and rendered with the model's chat
+    template (tools included), nothing run. `max_tokens` is not part of this request (Anthropic's API)."""
+    gateway.api_keys.tenant_for(_authorization(request))
+    req = api.parse_request(await request.body(), counting=True)
+    model = gateway.intake.model_for(req.model)
+    body, parsed = parse(_encode(api.chat_body(req, model or None)), ChatRequest)
+    return {"input_tokens": len(gateway.intake.chat(body, parsed, _request_id(request)).prompt_ids)}
+
+
+MESSAGES_ROUTES = [create_message, count_tokens]
 
 
 def _authorization(request: Request) -> str | None:

@@ -8,6 +8,12 @@ output items. Pure translation: the stream's typed events are response_events.py
     "function_call"                     an assistant message's tool call (after that assistant's text, if any)
     "function_call_output"              {"role": "tool", "tool_call_id": call_id, "content": output}
     "reasoning"                         dropped (the engines' templates render no reasoning items)
+
+    tool                                chat tool
+    "function"                          a function tool
+    "namespace" {tools: [...]}          its functions, flattened (Codex groups its MCP tools so)
+    hosted (web_search, file_search,    dropped: the engines cannot run them (`hosted_tools` names them, the
+    custom, computer_use_preview, ...)  handler says so in X-PD-Dropped-Tools)
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any
 
 import msgspec
 
+from gateway.api.validation import MEDIA_PARTS, media_part, not_json
 from gateway.errors import InvalidRequestError
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -50,7 +57,7 @@ def parse_request(raw: bytes) -> ResponsesRequest:
     except msgspec.ValidationError as exc:
         raise InvalidRequestError(f"invalid request: {exc}") from None
     except msgspec.DecodeError as exc:
-        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+        raise not_json(raw, exc) from None
     if req.background:
         raise InvalidRequestError("background responses are not supported", param="background")
     if req.conversation is not None:
@@ -67,8 +74,9 @@ def chat_body(req: ResponsesRequest, model: str | None) -> dict[str, Any]:
     """The chat request for this turn's new input items, after the instructions as a system message."""
     head = [{"role": "system", "content": req.instructions}] if req.instructions else []
     body: dict[str, Any] = {"model": model, "messages": [*head, *messages(req.input)], "stream": bool(req.stream)}
-    if req.tools:
-        body["tools"] = [_tool(t, i) for i, t in enumerate(req.tools)]
+    tools = _functions(req.tools or (), "tools")
+    if tools:
+        body["tools"] = tools
     if req.tool_choice is not None:
         body["tool_choice"] = _tool_choice(req.tool_choice)
     for name, value in (("max_tokens", req.max_output_tokens), ("temperature", req.temperature),
@@ -121,7 +129,10 @@ def _text(content: Any, where: str) -> str:
         raise InvalidRequestError(f"{where} must be a string or a list of text parts", param=where)
     texts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in MEDIA_PARTS:
+            raise media_part(kind, f"{where}[{j}]")
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
             raise InvalidRequestError("only text content parts are supported", param=f"{where}[{j}]")
         texts.append(part["text"])
     return "\n".join(texts)
@@ -134,11 +145,39 @@ def _string(item: dict[str, Any], name: str, i: int) -> str:
     return value
 
 
-def _tool(tool: Any, i: int) -> dict[str, Any]:
-    if not isinstance(tool, dict) or tool.get("type") != "function":
-        raise InvalidRequestError("only function tools are supported", param=f"tools[{i}]")
+def hosted_tools(tools: Any) -> list[str]:
+    """The types of the hosted tools in `tools` (inside namespaces too), which the chat body leaves out."""
+    out: list[str] = []
+    for tool in tools or ():
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "namespace":
+            out += hosted_tools(tool.get("tools"))
+        elif isinstance(kind, str) and kind != "function":
+            out.append(kind)
+    return out
+
+
+def _functions(tools: Any, where: str) -> list[dict[str, Any]]:
+    """The function tools, namespaces flattened to their functions, hosted tools left out."""
+    if not isinstance(tools, (list, tuple)):
+        raise InvalidRequestError("tools must be a list", param=where)
+    out: list[dict[str, Any]] = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "namespace":
+            out += _functions(tool.get("tools"), f"{where}[{i}].tools")
+        elif kind == "function":
+            out.append(_tool(tool, f"{where}[{i}]"))
+        elif not isinstance(kind, str):
+            raise InvalidRequestError("each tool must be an object with a type", param=f"{where}[{i}]")
+    return out
+
+
+def _tool(tool: dict[str, Any], where: str) -> dict[str, Any]:
     if isinstance(tool.get("function"), dict):             # already in the chat shape
         return tool
+    if not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise InvalidRequestError("a function tool needs a name", param=f"{where}.name")
     function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
     return {"type": "function", "function": function}
 
@@ -191,7 +230,8 @@ def usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
     if not chat_usage:
         return None
     prompt, completion = chat_usage.get("prompt_tokens") or 0, chat_usage.get("completion_tokens") or 0
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": completion,
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": completion,
             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion}
 
 

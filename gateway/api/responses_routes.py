@@ -3,8 +3,10 @@
 A response is stored (unless `store: false`) in its tenant with what its next turn needs; a turn with
 `previous_response_id` continues that conversation's exact token ids (turns/intake/continued.py) in the store's
 conversation of the response chain, so it reuses D's KV like a chat turn. A new chain's conversation is the one
-an agent harness's session header names, else the chain's first response id (`store: false` and no header: none,
-found by its tokens if at all). Two turns on one previous id are two branches of one conversation: one claims
+an agent harness's session header names, else none: it is found by its tokens (the prefix index), as a chat turn
+without a session id, so a client that resends the whole input without `previous_response_id` (openai-agents'
+default Runner) reuses D's KV; the chain continues in the conversation found or begun. Under
+`--conversation-lookup session` the chain's first response id names it instead. Two turns on one previous id are two branches of one conversation: one claims
 D's handle, the other is planned against what D holds (partial or full), as any concurrent chat turn.
 """
 
@@ -22,7 +24,7 @@ from litestar.types import ASGIApp
 
 from gateway.api import responses as api
 from gateway.api.response_events import ResponseEvents
-from gateway.api.routes import Gateway, _request_id, _respond
+from gateway.api.routes import Gateway, _request_id, _respond, dropped_tools, named_session
 from gateway.api.schemas import ChatRequest, parse
 from gateway.api.sessions import session_id
 from gateway.turns.admin import ConversationKey
@@ -58,6 +60,10 @@ async def create_response(request: Request, gateway: NamedDependency[Gateway]) -
         captured: list[Any] = []
         turn.on_recorded = captured.append
         reply = await gateway.runner.run(turn, key, tenant, ahead)
+    dropped_tools(reply, api.hosted_tools(req.tools))
+    named_session(reply, key, gateway.settings)
+    if key is None and reply.session is not None and req.store is not False:
+        session = reply.session.session       # found by its tokens (or new): the chain continues there
     answer = _Answer(gateway, tenant, response_id, session, req, turn, thread, captured)
     if reply.stream is not None:
         reply.stream = answer.events(reply.stream)
@@ -87,8 +93,11 @@ def _new_session(request: Request, gateway: Gateway, req: api.ResponsesRequest, 
                  response_id: str) -> str | None:
     settings = gateway.settings
     system = (req.instructions or "").encode("utf-8", "surrogatepass")
-    given = session_id(request.headers, {}, settings.session_header, settings.agent_session_headers, system)
-    return given or (response_id if req.store is not False else None)
+    given = session_id(request.headers, {}, settings.session_header, settings.agent_session_headers, system,
+                       body.get("tools") or (), settings.session_scope)
+    if given or req.store is False or settings.conversation_lookup != "session":
+        return given      # none: found by its tokens, as a chat turn without a session id (openai-agents' Runner)
+    return response_id
 
 
 class _Answer:

@@ -19,6 +19,7 @@ from gateway.api.events import EventStream
 from gateway.api.openapi import openapi_json
 from gateway.api.schemas import ChatRequest, CompletionRequest, parse
 from gateway.api.sessions import session_id
+from gateway.api.validation import check_stop
 from gateway.config import Settings
 from gateway.telemetry import Metrics
 from gateway.turns.intake.clock import TurnClock
@@ -95,13 +96,30 @@ async def _turn(request: Request, gateway: Gateway, schema: type, intake: Callab
     began = time.perf_counter()
     tenant = gateway.api_keys.tenant_for(request.headers.get("authorization"))
     body, parsed = parse(await request.body(), schema)
+    check_stop(body)
     session = _session(request, body, gateway.settings, tenant)
     async with gateway.runner.claim_ahead(session) as ahead:
         turn = intake(body, parsed, _request_id(request))
         turn.clock = TurnClock(gateway.metrics.gateway_seconds, began)
         gateway.metrics.turn_seconds.labels("intake").observe(time.perf_counter() - began)
         reply = await gateway.runner.run(turn, session, tenant, ahead)
+    named_session(reply, session, gateway.settings)
     return _respond(reply, turn.clock)
+
+
+DROPPED_TOOLS = "X-PD-Dropped-Tools"
+
+
+def named_session(reply: TurnReply, session: ConversationKey | None, settings: Settings) -> None:
+    """The conversation's id as the store and the admin API know it (a session id scoped by its head)."""
+    if session is not None and settings.pd_headers:
+        reply.headers["X-PD-Session"] = session.session
+
+
+def dropped_tools(reply: TurnReply, dropped: list[str]) -> None:
+    """Hosted tools the engines cannot run, left out of the turn: named in a header instead of a 400."""
+    if dropped:
+        reply.headers[DROPPED_TOOLS] = ",".join(dict.fromkeys(dropped))
 
 
 def _respond(reply: TurnReply, clock: TurnClock) -> ASGIApp:
@@ -133,5 +151,6 @@ def _session(request: Request, body: dict[str, Any], settings: Settings, tenant:
     """Header first (name configurable), then an agent harness's header, else body `conversation_id` /
     `session_id` (api/sessions.py), within the caller's tenant: the same session id under another API key is
     another conversation. None: stateless."""
-    session = session_id(request.headers, body, settings.session_header, settings.agent_session_headers)
+    session = session_id(request.headers, body, settings.session_header, settings.agent_session_headers,
+                         scope=settings.session_scope)
     return None if session is None else ConversationKey(tenant, session)

@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 
 from gateway.api import jsontext, ranges
+from gateway.api.validation import check_message, check_sampling
 from gateway.errors import InvalidRequestError
 from gateway.turns.intake.messages import KnownMessage, MessageCache, Messages
 
@@ -85,6 +86,7 @@ def parse(raw: bytes, schema: type[msgspec.Struct], *, cache: MessageCache | Non
         parsed.messages = [known.struct for known in messages.known]
         body["messages"] = messages
     _check(parsed)
+    check_sampling(body)
     ranges.check(body)
     return body, parsed
 
@@ -130,6 +132,7 @@ def _known(raw: bytes, where: str) -> KnownMessage:
     except msgspec.ValidationError as exc:
         error = _at(str(exc), where)
         raise InvalidRequestError(f"invalid request: {error}", param=_param(error)) from None
+    check_message(value, where)
     return KnownMessage(value, struct, msgspec.json.encode(value), 4 * len(raw) + 1024)
 
 

@@ -58,7 +58,7 @@ class DecodeLeg:
                 headers=turn.leg_headers("decode"), on_sent=clock.decode_out, on_answer=clock.decode_in))
         self.outcome.release_held_back(turn)
         self.outcome.observe("decode_ttft", began)
-        capture = DecodeCapture()
+        capture = DecodeCapture(cached_tokens=turn.cached_tokens)
         view = capture.take(response, turn.req.want_token_ids)
         try:
             await self.outcome.record(turn, capture)
@@ -66,8 +66,9 @@ class DecodeLeg:
             turn.ticket.close()
         headers = turn.reply_headers(self.settings.pd_headers)
         if turn.req.stream:      # policy "buffer": the client asked for a stream; re-stream the whole answer
-            return TurnReply(headers, stream=restream(view, turn.req))
-        return TurnReply(headers, body=_encode(view))
+            return TurnReply(headers, stream=restream(view, turn.req), cached_tokens=turn.cached_tokens,
+                             session=turn.session)
+        return TurnReply(headers, body=_encode(view), cached_tokens=turn.cached_tokens, session=turn.session)
 
     async def _stream(self, turn: Turn) -> TurnReply:
         stream, sent = await self.open_stream(turn)
@@ -92,7 +93,8 @@ class DecodeLeg:
         return stream, sent
 
     def relayed(self, turn: Turn, stream: EngineStream, sent: float) -> TurnReply:
-        return TurnReply(turn.reply_headers(self.settings.pd_headers), stream=self._relay(turn, stream, sent))
+        return TurnReply(turn.reply_headers(self.settings.pd_headers), stream=self._relay(turn, stream, sent),
+                         cached_tokens=turn.cached_tokens, session=turn.session)
 
     def _body(self, turn: Turn) -> dict[str, Any]:
         return decode_body(turn.req, turn.prefill_handle, local=turn.plan.local, push=turn.plan.push, pair=turn.pair,
@@ -105,7 +107,8 @@ class DecodeLeg:
     async def _relay(self, turn: Turn, stream: EngineStream, sent: float) -> AsyncGenerator[bytes, None]:
         """Pass D's SSE events through as they come (as D's bytes where nothing needs editing: chunks.py), minus
         engine internals; record before `[DONE]`."""
-        capture, began, first, recorded = DecodeCapture(), time.perf_counter(), True, False
+        capture, began, first, recorded = DecodeCapture(cached_tokens=turn.cached_tokens), time.perf_counter(), \
+            True, False
         turn.decode.outstanding_requests += 1
         turn.decode.running_kv_tokens += len(turn.req.prompt_ids)
         try:

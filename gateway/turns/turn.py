@@ -27,6 +27,8 @@ class TurnReply:
     headers: dict[str, str]
     body: bytes | None = None                       # non-streaming JSON
     stream: AsyncGenerator[bytes, None] | None = None   # SSE frames
+    cached_tokens: int = 0                          # prompt tokens not computed (`Turn.cached_tokens`)
+    session: ConversationKey | None = None          # the conversation it was recorded in (found by prefix too)
 
 
 @dataclass
@@ -75,6 +77,14 @@ class Turn:
     @property
     def reused_tokens(self) -> int:
         return min(self.plan.reused_tokens, len(self.req.prompt_ids))
+
+    @property
+    def cached_tokens(self) -> int:
+        """The prompt tokens this turn did not compute: read from D's KV (the plan's reuse, or D's own on a local
+        turn), or hits in P's prefix cache as P reported them in its handle; the larger, since they overlap (the
+        same prefix). What the APIs' usage reports as cached (`prompt_tokens_details.cached_tokens`)."""
+        reported = self.prefill_handle.producer_cached_tokens if self.prefill_handle is not None else None
+        return min(max(self.reused_tokens, reported or 0), len(self.req.prompt_ids))
 
     def leg_headers(self, leg: Leg) -> dict[str, str]:
         """X-Request-Id for correlation (in push mode the pair's, which is what pairs the legs on P); opens the

@@ -7,6 +7,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 
@@ -71,6 +72,7 @@ class _Run:
         self.wire, self.o = wire, options
         self.nonce = uuid.uuid4().hex[:12]
         self.sessions: list[str] = []
+        self.conversations: dict[str, str] = {}     # session id -> the gateway's id for it (X-PD-Session)
         self.reuse: dict[str, int] = {}
         self.problems: list[str] = []
         self.warnings: list[str] = []
@@ -112,6 +114,8 @@ class _Run:
                 body["prompt"] = case.prompt
             headers = {"X-Session-Id": session, **self._auth(self.o.api_key)}
             got = await self.wire.post(self.o.gateway, case.endpoint, body, headers)
+            if got.headers.get("x-pd-session"):       # the id scoped by the conversation's head
+                self.conversations[session] = got.headers["x-pd-session"]
             ref = await self.wire.post(self.o.baseline, case.endpoint, {**body, "stream": False})
             again = await self.wire.post(self.o.baseline, case.endpoint,
                                          {**body, "stream": False, "cache_salt": uuid.uuid4().hex})
@@ -168,7 +172,8 @@ class _Run:
             return 0
         deleted = 0
         for session in self.sessions:
-            answer = await self.wire.delete(self.o.gateway, f"/admin/conversations/{session}?tenant={self.o.tenant}",
+            stored = quote(self.conversations.get(session, session), safe="")
+            answer = await self.wire.delete(self.o.gateway, f"/admin/conversations/{stored}?tenant={self.o.tenant}",
                                             self._auth(self.o.admin_key))
             if answer.status in (200, 404):       # 404: the gateway stored nothing for it (a failed first turn)
                 deleted += 1

@@ -19,6 +19,7 @@ class Turn:
     prompt_tokens: int
     completion_tokens: int
     computed: int           # prompt tokens P computed for this turn (sim oracle)
+    conversation: str = ""  # the conversation's id in the store and the admin API (X-PD-Session)
 
 
 @dataclass
@@ -50,4 +51,5 @@ class Chat(TurnTaking):
             model="demo", messages=self.messages, max_tokens=self.max_tokens).choices[0].message.content
         return Turn(text, expected, raw.headers["x-pd-plan"], raw.headers["x-pd-reason"],
                     int(raw.headers["x-pd-reused-tokens"]), usage.prompt_tokens, usage.completion_tokens,
-                    self.stack.stats(prefill)["prompt_tokens_computed"] - before)
+                    self.stack.stats(prefill)["prompt_tokens_computed"] - before,
+                    raw.headers.get("x-pd-session", ""))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import uuid
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -50,8 +51,9 @@ def test_racing_replicas_never_both_reuse(replicas):
 
 def test_admin_delete_frees_the_pinned_kv(replicas):
     chat = Chat(replicas, uuid.uuid4().hex)
-    chat.say(question(7))
-    url = f"{replicas.gateway.url}/admin/conversations/{chat.session}"
+    turn = chat.say(question(7))
+    assert turn.conversation.startswith(chat.session + "#")        # the session id scoped by its head
+    url = f"{replicas.gateway.url}/admin/conversations/{quote(turn.conversation, safe='')}"
     auth = {"Authorization": f"Bearer {ADMIN_KEY}"}
     assert httpx.get(url).status_code == 401
     assert httpx.get(url, headers=auth).json()["handle_live"] is True

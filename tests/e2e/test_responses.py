@@ -192,7 +192,7 @@ def test_get_delete_and_store_false(pd) -> None:
 def test_bad_input_is_an_openai_400(pd) -> None:
     c = client(pd)
     for kwargs, param in (({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0].type"),
-                          ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]"),
+                          ({"input": "x", "tools": [{"type": "function", "parameters": {}}]}, "tools[0].name"),
                           ({"input": "x", "max_output_tokens": 0}, "max_output_tokens")):
         with pytest.raises(openai.BadRequestError) as caught:
             c.responses.create(model="demo", **kwargs)
@@ -215,7 +215,7 @@ def test_a_twenty_step_agent_loop_reuses_on_every_later_step(pd) -> None:
                 "output": tool_result(rng, {"function": {"name": call.name}}, 1 / len(calls))} for call in calls] \
             or "Go on."
         previous = response.id
-    assert plans[0][:2] == ("full", "first_turn")
+    assert plans[0][:2] == ("full", "no_session")       # a new chain without a session id: looked up by prefix
     assert all(plan[:2] == ("reuse", "continuous") for plan in plans[1:]), plans
     assert all(b[2] > a[2] for a, b in zip(plans[1:], plans[2:]))             # D's KV grows with the history
     assert pd.metric("pdgw_turns_total", plan="reuse", reason="continuous") - reused_before >= 19

@@ -135,3 +135,13 @@ def test_relay_means_what_the_whole_way_means(content: str, ids: list[int], want
     expected, reference = whole_way(raw, want)
     assert _decode(out) == _decode(expected)
     same_capture(capture, reference)
+
+
+@pytest.mark.parametrize("details", [None, {"cached_tokens": 401, "audio_tokens": 0}])
+def test_usage_reports_the_turns_cached_tokens_not_ds(details) -> None:
+    # D (with --enable-prompt-tokens-details) counts every token P sent it as cached; the gateway's figure wins
+    capture = DecodeCapture(cached_tokens=96)
+    raw = msgspec.json.encode({"choices": [], "usage": {"prompt_tokens": 402, "completion_tokens": 5,
+                                                        "prompt_tokens_details": details}})
+    out = msgspec.json.decode(chunks.relay(capture, raw, False, msgspec.json.decode))
+    assert out["usage"]["prompt_tokens_details"] == {**(details or {}), "cached_tokens": 96}

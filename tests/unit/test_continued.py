@@ -84,16 +84,35 @@ class Headers(dict):
 AGENTS = ["X-Dynamo-Session-Id", "X-Claude-Code-Session-Id", "session_id"]
 
 
-@pytest.mark.parametrize(("headers", "body", "want"), [
-    ({"X-Session-Id": "s1", "session_id": "c1"}, {}, "s1"),                        # the configured header wins
-    ({"session_id": "c1"}, {}, "c1#"),                                            # Codex: scoped by system prompt
-    ({"x-claude-code-session-id": "cc"}, {}, "cc#"),
-    ({}, {"conversation_id": "b1"}, "b1"),
-    ({}, {}, None),
+@pytest.mark.parametrize(("headers", "body", "scope", "want"), [
+    ({"X-Session-Id": "s1", "session_id": "c1"}, {}, "head", "s1#"),               # the configured header wins
+    ({"X-Session-Id": "s1", "session_id": "c1"}, {}, "exact", "s1"),               # ... as given, if so set
+    ({"session_id": "c1"}, {}, "head", "c1#"),                                   # Codex: scoped by its head
+    ({"session_id": "c1"}, {}, "exact", "c1#"),                                  # harness ids always scoped
+    ({"x-claude-code-session-id": "cc"}, {}, "head", "cc#"),
+    ({}, {"conversation_id": "b1"}, "head", "b1#"),
+    ({}, {"conversation_id": "b1"}, "exact", "b1"),
+    ({}, {}, "head", None),
 ])
-def test_session_ids(headers, body, want):
-    got = session_id(Headers(headers), body, "X-Session-Id", AGENTS, b"sys")
+def test_session_ids(headers, body, scope, want):
+    got = session_id(Headers(headers), body, "X-Session-Id", AGENTS, b"sys", scope=scope)
     assert got == want if want is None or not want.endswith("#") else got.startswith(want) and len(got) == len(want) + 16
+
+
+def test_a_plain_session_is_one_conversation_per_head():
+    # OpenCode: its title request ("You are a title generator", no tools) on the main loop's X-Session-Id
+    headers = Headers({"X-Session-Id": "ses_1"})
+    tools = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
+    main = {"messages": [{"role": "system", "content": "You are opencode."}, {"role": "user", "content": "hi"}],
+            "tools": tools}
+    title = {"messages": [{"role": "system", "content": "You are a title generator."},
+                          {"role": "user", "content": "hi"}]}
+    same_prompt_no_tools = {"messages": main["messages"]}
+    ids = [session_id(headers, body, "X-Session-Id", AGENTS) for body in (main, title, same_prompt_no_tools)]
+    assert len(set(ids)) == 3 and all(i.startswith("ses_1#") for i in ids)
+    later = {**main, "messages": [*main["messages"], {"role": "assistant", "content": "hello"},
+                                  {"role": "user", "content": "go on"}]}
+    assert session_id(headers, later, "X-Session-Id", AGENTS) == ids[0]       # the main loop keeps its conversation
 
 
 def test_a_harness_session_is_one_conversation_per_system_prompt():

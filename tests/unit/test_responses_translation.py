@@ -47,7 +47,8 @@ def test_input_items_become_chat_messages(items, want):
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0]"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
     ({"input": []}, "input"),
-    ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "parameters": {}}]}, "tools[0].name"),
+    ({"tools": [{"type": "namespace", "name": "ns", "tools": [{"name": "f"}]}]}, "tools[0].tools[0]"),
     ({"tool_choice": "sometimes"}, "tool_choice"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"background": True}, "background"),
@@ -57,6 +58,22 @@ def test_unsupported_or_malformed_requests_name_the_field(fields, param):
     with pytest.raises(InvalidRequestError) as caught:
         api.chat_body(req(**fields), "demo")
     assert caught.value.param == param
+
+
+def test_namespaces_are_flattened_and_hosted_tools_dropped():
+    # Codex CLI: its MCP tools grouped in a namespace, and web_search beside them
+    tools = [{"type": "function", "name": "shell", "parameters": {"type": "object"}},
+             {"type": "namespace", "name": "mcp__fs", "description": "files", "tools": [
+                 {"type": "function", "name": "read", "parameters": {"type": "object"}},
+                 {"type": "web_search"},
+                 {"type": "function", "name": "write", "parameters": {"type": "object"}}]},
+             {"type": "web_search", "search_context_size": "low"}, {"type": "custom", "name": "apply_patch"},
+             {"type": "file_search", "vector_store_ids": ["v"]}]
+    request = req(tools=tools)
+    body = api.chat_body(request, "demo")
+    assert [t["function"]["name"] for t in body["tools"]] == ["shell", "read", "write"]
+    assert api.hosted_tools(request.tools) == ["web_search", "web_search", "custom", "file_search"]
+    assert "tools" not in api.chat_body(req(tools=[{"type": "web_search"}]), "demo")
 
 
 def test_chat_body_carries_instructions_tools_and_sampling():
@@ -141,3 +158,30 @@ def test_an_engine_error_mid_stream_fails_the_response():
                                      [{"error": {"message": "D failed", "code": "upstream_error"}}, "[DONE]"]))
     assert events[-1]["type"] == "response.failed"
     assert events[-1]["response"]["error"] == {"code": "upstream_error", "message": "D failed"}
+
+
+def test_parallel_calls_are_one_item_each_however_their_fragments_come():
+    calls = [{"index": 0, "id": "a", "function": {"name": "f", "arguments": ""}},
+             {"index": 1, "id": "b", "function": {"name": "g", "arguments": '{"x'}},
+             {"index": 0, "function": {"arguments": '{"c'}}, {"index": 2, "id": "c", "function": {"name": "h"}},
+             {"index": 1, "function": {"arguments": '": 1}'}}, {"index": 0, "function": {"arguments": 'ity": "Z"}'}},
+             {"index": 2, "function": {"arguments": "{}"}}]
+    events, stored = _events(_frames(
+        [{"choices": [{"delta": {"content": "Two. "}}]}],
+        [{"choices": [{"delta": {"tool_calls": [c]}}]} for c in calls],
+        [{"choices": [{"delta": {}, "finish_reason": "tool_calls"}]},
+         {"choices": [], "usage": {"prompt_tokens": 30, "completion_tokens": 5,
+                                   "prompt_tokens_details": {"cached_tokens": 16}}}, "[DONE]"]))
+    added = [e for e in events if e["type"] == "response.output_item.added"]
+    assert [(e["output_index"], e["item"]["type"], e["item"].get("name")) for e in added] == \
+        [(0, "message", None), (1, "function_call", "f"), (2, "function_call", "g"), (3, "function_call", "h")]
+    args = {1: "", 2: "", 3: ""}
+    for e in events:
+        if e["type"] == "response.function_call_arguments.delta":
+            args[e["output_index"]] += e["delta"]
+    final = events[-1]["response"]
+    assert [(i["call_id"], i["arguments"]) for i in final["output"][1:]] == \
+        [("a", '{"city": "Z"}'), ("b", '{"x": 1}'), ("c", "{}")] == [(i["call_id"], args[n + 1]) for n, i in
+                                                                   enumerate(final["output"][1:])]
+    assert sorted(e["output_index"] for e in events if e["type"] == "response.output_item.done") == [0, 1, 2, 3]
+    assert final["usage"]["input_tokens_details"] == {"cached_tokens": 16} and stored == [final]

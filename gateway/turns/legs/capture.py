@@ -24,6 +24,16 @@ class DecodeCapture:
     output_ids_seen: bool = False
     text: list[str] = field(default_factory=list)      # the answer's text as the client got it
     tool_calls: list[dict[str, Any]] = field(default_factory=list)     # and its tool calls
+    cached_tokens: int = 0          # the turn's prompt tokens not computed (`Turn.cached_tokens`), for usage
+
+    def _usage(self, payload: dict[str, Any]) -> None:
+        """The answer's usage tells the client what was reused, as OpenAI's cache does: D's own figure (where it
+        reports one) counts every token P sent it as cached, so the gateway's own replaces it."""
+        usage = payload.get("usage")
+        if isinstance(usage, dict):
+            details = usage.get("prompt_tokens_details")
+            usage["prompt_tokens_details"] = {**(details if isinstance(details, dict) else {}),
+                                              "cached_tokens": self.cached_tokens}
 
     def take(self, payload: dict[str, Any], want_token_ids: bool) -> dict[str, Any]:
         """Record one response or chunk, and return the client's view of it (engine internals removed)."""
@@ -31,6 +41,7 @@ class DecodeCapture:
             self.error = True
             return payload
         self.handle = kv.take(payload) or self.handle
+        self._usage(payload)
         if self.prompt_ids is None:
             self.prompt_ids = prompt_ids_of(payload)
         for choice in payload.get("choices") or ():
