@@ -54,13 +54,15 @@ def test_a_calibrated_pair_goes_by_its_probe_until_an_engine_comes_back():
 
 def test_learned_rates_are_exported_at_scrape_time():
     metrics, rates = Metrics(), Rates()
+    metrics.engine_names.update({P: "prefill-0", D: "decode-0"})       # engines are labelled by name, not URL
     metrics.learned_rates.source = rates.known
     rates.observe(PrefillTiming(P, "", 1000, 0, 0, 0, 0.1))
     rates.calibrate(P, D, ProbeSample(4000, compute_s=0.1, read_s=0.4))
     text = metrics.render().decode()
-    assert f'pdgw_learned_rate_tokens_per_second{{decode="{D}",prefill="{P}",rate="read"}} 10000.0' in text
-    assert f'pdgw_learned_rate_tokens_per_second{{decode="{D}",prefill="{P}",rate="prefill"}} 40000.0' in text
-    assert f'pdgw_learned_rate_tokens_per_second{{decode="",prefill="{P}",rate="prefill"}} 10000.0' in text
+    assert 'pdgw_learned_rate_tokens_per_second{decode="decode-0",prefill="prefill-0",rate="read"} 10000.0' in text
+    assert 'pdgw_learned_rate_tokens_per_second{decode="decode-0",prefill="prefill-0",rate="prefill"} 40000.0' in text
+    assert 'pdgw_learned_rate_tokens_per_second{decode="",prefill="prefill-0",rate="prefill"} 10000.0' in text
+    assert "http://" not in text
 
 
 class Engines:

@@ -21,6 +21,7 @@ from gateway.turns.state.state import ConversationState, Served
 
 BS = 4
 D = "http://d0"
+D_NAME = "decode-0"         # engines are labelled by name, never by URL
 
 
 class Releaser:
@@ -39,6 +40,7 @@ def make_state(capacity: int | None, fraction: float = 0.5) -> tuple[Conversatio
     if capacity is not None:
         decode.get(D).info["num_gpu_blocks"] = capacity
     releaser, metrics = Releaser(), Metrics()
+    metrics.engine_names[D] = D_NAME
     state = ConversationState(store=MemoryConversationStore(), decode=decode, releaser=releaser,  # type: ignore[arg-type]
                               metrics=metrics, settings=settings, block_size=BS, renderer=None,
                               pins=PinLedger(PinBudget(fraction, BS)))
@@ -81,8 +83,8 @@ async def test_over_budget_the_least_recently_used_idle_handle_is_evicted_and_it
     assert releaser.released == [(16, "evicted")]
     assert await state.store.get(ConversationKey("t", "a")) is not None
     assert (await state.store.get(ConversationKey("t", "a")))[1] is None      # out of the store first
-    assert value(metrics, "pdgw_handles_evicted_total", engine=D) == 1
-    assert value(metrics, "pdgw_pinned_tokens", engine=D) == 32
+    assert value(metrics, "pdgw_handles_evicted_total", engine=D_NAME) == 1
+    assert value(metrics, "pdgw_pinned_tokens", engine=D_NAME) == 32
     _, claim = await turn(state, "a", 20)
     assert claim.handle is None and claim.missing == Reason.EVICTED
 
@@ -125,18 +127,18 @@ async def test_a_conversations_own_handle_is_replaced_not_evicted():
     for prompt in (16, 24, 32):                                 # one conversation growing: 4, 6, 8 blocks
         await turn(state, "a", prompt)
     assert releaser.released == []
-    assert value(metrics, "pdgw_pinned_tokens", engine=D) == 32
+    assert value(metrics, "pdgw_pinned_tokens", engine=D_NAME) == 32
 
 
 async def test_deleting_a_conversation_takes_its_pin_out_of_d_s_budget():
     from gateway.turns.admin import ConversationAdmin
     state, releaser, metrics = make_state(capacity=100)
     await turn(state, "a", 16)
-    assert value(metrics, "pdgw_pinned_tokens", engine=D) == 16
+    assert value(metrics, "pdgw_pinned_tokens", engine=D_NAME) == 16
     admin = ConversationAdmin(state.store, releaser, state.pins)   # type: ignore[arg-type]
     assert await admin.delete(ConversationKey("t", "a"))
     assert releaser.released[-1] == (16, "deleted")
-    assert value(metrics, "pdgw_pinned_tokens", engine=D) == 0 and state.pins.pins.pinned_tokens(D) == 0
+    assert value(metrics, "pdgw_pinned_tokens", engine=D_NAME) == 0 and state.pins.pins.pinned_tokens(D) == 0
 
 
 def make_adaptive(capacity: int) -> tuple[ConversationState, Releaser, Metrics]:
@@ -158,8 +160,8 @@ async def test_d_short_of_blocks_pins_nothing_and_its_next_turn_is_a_full_prefil
         state.pins.pins.earnings.of(D).observe(holder.data_plane)
     await turn(state, "b", 16)
     assert sorted(releaser.released) == [(16, "evicted"), (16, "evicted")]
-    assert value(metrics, "pdgw_pin_budget_blocks", engine=D) == 0
-    assert value(metrics, "pdgw_pinned_tokens", engine=D) == 0
+    assert value(metrics, "pdgw_pin_budget_blocks", engine=D_NAME) == 0
+    assert value(metrics, "pdgw_pinned_tokens", engine=D_NAME) == 0
     pins = holder.info["pins"]
     assert pins["pressure_factor"] == 0.0 and pins["budget_blocks"] == 0 and pins["configured_budget_blocks"] == 50
     _, claim = await turn(state, "b", 20)
@@ -174,7 +176,7 @@ async def test_a_used_handle_counts_its_saved_tokens():
     assert claim.handle is not None
     await state.record(request(20), key, found.start, Plan(PlanKind.REUSE, Reason.CONTINUOUS, 16),
                        Served("http://p0", D), capture(20, 1, 9))
-    assert value(metrics, "pdgw_pin_saved_tokens_total", engine=D) == 16
+    assert value(metrics, "pdgw_pin_saved_tokens_total", engine=D_NAME) == 16
     info = state.decode_pool.get(D).info["pins"]
     assert info["used"] == 1 and info["saved_tokens"] == 16 and info["policy"] == "adaptive"
 

@@ -123,7 +123,7 @@ def test_a_refused_mode_is_a_failing_finding():
 
 
 @pytest.mark.parametrize(("settings", "store_ok", "words"), [
-    ({}, True, "a later turn goes to the same D alone (local) when D would compute at most 256"),
+    ({}, True, "a later turn goes to the same D alone (local) when D would compute at most 8192"),
     ({"local_prefill_max_tokens": 0}, True, "the local path is off"),
     ({}, False, "degraded"),
 ])
