@@ -8,9 +8,11 @@ import socket
 import uuid
 from pathlib import Path
 
+import msgspec
 import uvicorn
 
 from gateway.sim.app import create_sim_app
+from gateway.sim.kvevents import KVEventsConfig
 from gateway.sim.settings import (DEFAULT_BLOCK_SIZE, DEFAULT_LEASE_S, DEFAULT_MAX_MODEL_LEN,
                                   DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_NUM_BLOCKS,
                                   DEFAULT_PIN_TTL_S, DEFAULT_VERSION, EXPIRY_MARGIN_S, SimSettings)
@@ -25,6 +27,13 @@ def _range(text: str) -> tuple[int, int]:
     if not 1 <= low <= high:
         raise argparse.ArgumentTypeError("expected MIN:MAX with 1 <= MIN <= MAX")
     return low, high
+
+
+def _kv_events(text: str) -> KVEventsConfig:
+    try:
+        return msgspec.json.decode(text, type=KVEventsConfig)
+    except msgspec.DecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--kv-events-config: {exc}") from exc
 
 
 def parser() -> argparse.ArgumentParser:
@@ -75,6 +84,9 @@ def parser() -> argparse.ArgumentParser:
     a("--tool-call-rate", type=float, default=0.5, help="share of auto-tool-choice answers that call tools")
     a("--tool-call-style", choices=["template", "varied"], default="template",
       help="varied: some calls' JSON is compact, arguments-first or \\u-escaped (re-renders differently)")
+    a("--kv-events-config", type=_kv_events, default=None,
+      help='vLLM\'s KV events, e.g. \'{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557",'
+           '"topic":"kv"}\' (docs/protocol.md §10)')
     a("--version", default=DEFAULT_VERSION, help="version string reported at /version")
     a("--log-level", default="warning")
     return p
@@ -98,7 +110,7 @@ def settings_from(args: argparse.Namespace, port: int) -> SimSettings:
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         tool_call_rate=args.tool_call_rate, tool_call_style=args.tool_call_style,
         transfer_mode=args.kv_transfer_mode, push_registration_timeout=args.push_registration_timeout,
-        push_fault=args.push_fault)
+        push_fault=args.push_fault, kv_events=args.kv_events_config)
 
 
 def main(argv: list[str] | None = None) -> None:
