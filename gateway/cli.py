@@ -28,6 +28,7 @@ HELP = {
     "decoder_kv_blocks_ttl_s": "D's decoder_kv_blocks_ttl: how long D pins a finished turn's KV",
     "decode_kv_lease_s": "D's kv_lease_duration: how long D holds a local turn's KV (must equal D's setting)",
     "handle_ttl_margin_s": "stop using a D handle this long before D unpins it",
+    "kv_events": "ENGINE_URL=tcp://HOST:PORT (repeatable): subscribe to that engine's KV events (vLLM --kv-events-config) to know what its prefix cache holds",
     "local_prefill_max_tokens": "a warm turn goes to the holder D alone when D computes at most this many tokens (0: off)",
     "conversation_ttl_s": "forget a conversation this long after its last turn",
     "decode_pin_budget": "fraction of each D's KV blocks the stored handles may pin; over it the least recently used idle ones are released (0: off, TTL only)",

@@ -83,6 +83,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     decode_load_bound: PositiveInt = 64            # outstanding requests above which affinity yields
     reuse_policy: ReusePolicy = "cost"             # "cost": send D's handle only where reading beats recomputing
     kv_transfer_mode: KVTransferMode = "auto"      # "auto": what the engines' /server_info shows
+    kv_events: list[str] = []                      # "ENGINE_URL=tcp://HOST:PORT": that engine's KV events (ZMQ)
     local_prefill_max_tokens: Annotated[int, msgspec.Meta(ge=0)] = DEFAULT_LOCAL_PREFILL_MAX_TOKENS  # 0: off
     rate_probe_tokens: Annotated[int, msgspec.Meta(ge=0)] = 8192  # the cost plan's calibration read; 0: no probes
     rate_probe_interval_s: Seconds = 300.0         # ... repeated this often per P-D pair
@@ -112,6 +113,12 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for name in ("prefill", "decode"):
             for url in getattr(self, name):
                 _check_url(name, url, ("http", "https"))
+        for entry in self.kv_events:
+            url, _, endpoint = entry.partition("=")
+            if url.rstrip("/") not in {u.rstrip("/") for u in self.prefill + self.decode}:
+                raise ValueError(f"kv_events: {entry!r} does not name a --prefill or --decode engine URL")
+            if not re.fullmatch(r"(tcp://[^\s/]+:\d+|ipc://\S+)", endpoint):
+                raise ValueError(f"kv_events: {entry!r}: the endpoint must be tcp://HOST:PORT or ipc://PATH")
         if self.redis_url is not None:
             _check_url("redis_url", self.redis_url, ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster"))
         if self.otlp_endpoint is not None:
