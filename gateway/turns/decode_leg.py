@@ -89,7 +89,8 @@ class DecodeLeg:
 
     def _body(self, turn: Turn) -> dict[str, Any]:
         return decode_body(turn.req, turn.prefill_handle, local=turn.plan.local, push=turn.plan.push, pair=turn.pair,
-                           stub=pinned_ids_proven(turn.decode))      # D uses the ids it is sent: no history text
+                           stub=pinned_ids_proven(turn.decode),      # D uses the ids it is sent: no history text
+                           hold=turn.plan.hold)
 
     def _first_byte_s(self, turn: Turn) -> float:
         """A push pair's D first waits for P's prefill and WRITE: the pair's own deadline (push_leg.py)."""

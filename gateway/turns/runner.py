@@ -15,6 +15,7 @@ from dataclasses import replace
 
 from gateway.config import DEFAULT_TENANT, Settings
 from gateway.engines import routing
+from gateway.engines.cache_index import Knowledge
 from gateway.engines.client import EngineClient
 from gateway.engines.engine import Engine
 from gateway.engines.pool import EnginePool
@@ -115,9 +116,9 @@ class TurnRunner:
         if turn.plan.push and record is not None:     # push: no handle; D alone where its cache serves
             on_holder = turn.decode is not None and turn.decode.url == record.decode_engine
             turn.plan = plans.push_path(turn.plan, len(turn.req.prompt_ids), record.block_size, on_holder,
-                                        self.settings.local_prefill_max_tokens)
+                                        self.local_bound(turn))
             return None
-        if turn.plan.handle is None or record is None:
+        if record is None or not plans.may_go_local(turn.plan):
             return None
         shape = self._shape(turn, record)
         if self.settings.reuse_policy != "cost":
@@ -125,8 +126,7 @@ class TurnRunner:
             self._hold_back(turn)
             return None
         prefill = self._pick(turn, "prefill")
-        shape = replace(shape, p_cached_tokens=self.rates.warm_tokens(prefill.url, record.prefill_engine,
-                                                                      record.held_tokens))
+        shape = self._p_cached(shape, prefill, record)
         costs = self.rates.path_costs(prefill.url, record.decode_engine, p_queued_tokens=prefill.outstanding_tokens,
                                       p_waiting=prefill.outstanding_requests)
         turn.plan = plans.by_path(turn.plan, costs, shape)
@@ -141,17 +141,37 @@ class TurnRunner:
         if turn.plan.local and turn.plan.handle is not None:
             self.outcome.release_later(turn, turn.plan.handle)
 
+    def local_bound(self, turn: Turn) -> int:
+        """The most prompt tokens the holder D may compute itself on the local path (0: off)."""
+        return self.settings.local_prefill_max_tokens
+
     def _shape(self, turn: Turn, record: Conversation) -> TurnShape:
-        """The turn as the path choice sees it: local only on the holder D, for a suffix within the bound, and
-        while the conversation's turns come sooner than a local turn's handle lives (D's lease: the P path's
-        handle lives for D's decoder TTL instead): the gap before this turn is the guess for the next one."""
+        """The turn as the path choice sees it: local only on the holder D, for a suffix within the bound. Where
+        D's KV events say what its cache holds (`plan.d_cached`), that decides the hit, handle or not; else the
+        verified prefix counts, and only while the conversation's turns come sooner than a local turn's handle
+        lives (D's lease: the P path's handle lives for D's decoder TTL instead): the gap before this turn is the
+        guess for the next one."""
         prompt = len(turn.req.prompt_ids)
+        known = turn.plan.d_cached is not None
         hit = plans.local_hit(turn.plan, prompt, record.block_size)
-        bound = self.settings.local_prefill_max_tokens
-        fits = (0 < prompt - hit <= bound and turn.decode is not None and turn.decode.url == record.decode_engine
-                and turn.plan.kind in (PlanKind.REUSE, PlanKind.PARTIAL))
-        lease_short = fits and time.time() - record.updated_at > self.settings.lease_ttl_s
+        if turn.plan.d_cached is not None:        # within the verified prefix already, whole blocks
+            hit = min(turn.plan.d_cached, prompt - 1) // record.block_size * record.block_size
+        fits = (0 < prompt - hit <= self.local_bound(turn) and turn.decode is not None
+                and turn.decode.url == record.decode_engine
+                and (hit > 0 if known else turn.plan.kind in (PlanKind.REUSE, PlanKind.PARTIAL)))
+        lease_short = fits and not known and time.time() - record.updated_at > self.settings.lease_ttl_s
         return TurnShape(prompt, turn.plan.reused_tokens, hit, 0, fits and not lease_short, lease_short)
+
+    def _p_cached(self, shape: TurnShape, prefill: Engine, record: Conversation) -> TurnShape:
+        """P's own prefix-cache hits on the history: what P's KV events say where it publishes them, else the
+        rates' estimate."""
+        cache = prefill.cache
+        if cache is not None and cache.knowledge is not Knowledge.UNKNOWN:
+            blocks = cache.leading(record.block_hashes, record.block_size)
+            return replace(shape, p_cached_tokens=min(blocks * record.block_size, record.held_tokens),
+                           p_cache_known=cache.knowledge is Knowledge.COMPLETE or blocks > 0)
+        return replace(shape, p_cached_tokens=self.rates.warm_tokens(prefill.url, record.prefill_engine,
+                                                                     record.held_tokens))
 
     def _pick(self, turn: Turn, leg: Leg) -> Engine:
         """D first, then P (routing.py's profiles); an engine that failed this turn is not picked again."""
