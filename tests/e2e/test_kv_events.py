@@ -5,7 +5,9 @@ pin and no lease; when D evicts a conversation, the next turn is not sent local 
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.request
 import uuid
 
 import pytest
@@ -16,13 +18,21 @@ from tests.e2e.test_local_path import topic, totals
 
 pytestmark = pytest.mark.integration
 BLOCK = 16
+ADMIN_KEY = "events-admin"
+
+
+def kv_events(pd) -> dict[str, dict]:
+    request = urllib.request.Request(pd.gateway.url + "/admin/engines",
+                                     headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        return {e["url"]: e.get("kv_events") for e in json.loads(resp.read())["engines"]}
 
 
 @pytest.fixture(scope="module")
 def pd():
     # D small: 48 blocks of 16 tokens; its pin budget half of them, so other conversations push a history out
     with stack(sim=["--output-tokens", "60:80"], decode=["--stream-kv-params", "--num-blocks", "48"], local=True,
-               kv_events=True) as s:
+               kv_events=True, gateway=["--admin-key", ADMIN_KEY]) as s:
         yield s
 
 
@@ -40,6 +50,10 @@ def test_later_turns_go_local_from_d_s_cache_with_no_pin_and_no_lease(pd):
     pd.wait_until(lambda: totals(pd, pd.decode, "handles_pinned") + totals(pd, pd.decode, "handles_leased_now")
                   == 0)
     assert pd.total("kv_reads_corrupt") == 0
+    seen = kv_events(pd)
+    for engine in pd.prefill + pd.decode:   # every engine's events decoded, none lost, blocks indexed
+        assert seen[engine.url]["knowledge"] == "complete" and seen[engine.url]["blocks"] > 0, seen
+        assert seen[engine.url]["block_size"] == BLOCK and seen[engine.url]["gaps"] == 0
 
 
 def test_a_conversation_d_evicted_is_not_planned_local_from_stale_knowledge(pd):
