@@ -68,3 +68,17 @@ def test_a_conversation_d_evicted_is_not_planned_local_from_stale_knowledge(pd):
     assert turn.text == turn.expected
     assert pd.metric("pdgw_turns_total", plan="full", reason="evicted") >= 1
     assert pd.total("kv_reads_corrupt") == 0
+
+
+def test_sessionless_turns_still_ask_d_to_hold_so_the_next_one_finds_them(pd):
+    """A conversation found by its tokens is found through a live handle: its local turns keep asking D for one."""
+    messages = [{"role": "user", "content": topic(40)}]
+    client = pd.client()
+    plans = []
+    for i in range(1, 4):
+        raw = client.chat.completions.with_raw_response.create(model="demo", messages=messages, max_tokens=100)
+        out = raw.parse()
+        plans.append((raw.headers["x-pd-plan"], raw.headers["x-pd-conversation"]))
+        messages += [{"role": "assistant", "content": out.choices[0].message.content},
+                     {"role": "user", "content": topic(40 + i)}]
+    assert plans[1:] == [("local", "prefix"), ("local", "prefix")], plans
