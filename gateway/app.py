@@ -88,7 +88,7 @@ async def _lifespan(app: Litestar, settings: Settings, tracing: Tracing,
         prefill, decode = EnginePool("prefill", settings.prefill), EnginePool("decode", settings.decode)
         store = open_store(settings.redis_url, settings.conversation_ttl_s)
         health = HealthChecker(client, [prefill, decode], state.metrics, settings.health_interval_s)
-        feeds = KVEventFeeds(parse_mapping(settings.kv_events), [prefill, decode])
+        feeds = KVEventFeeds(parse_mapping(settings.kv_events), [prefill, decode], state.metrics)
         feeds.start()                        # before the first turn: a publisher's seq 0 then says "complete"
         await health.check_all()
         renderer = Renderer(settings.tokenizer, settings.chat_template)

@@ -21,6 +21,7 @@ import zmq.asyncio
 
 from gateway.engines.cache_index import CacheIndex, Cleared, Event, Removed, Stored
 from gateway.engines.pool import EnginePool
+from gateway.telemetry import Metrics
 
 log = logging.getLogger("gateway.kv_events")
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
@@ -118,16 +119,25 @@ class KVEventSubscriber:
 class KVEventFeeds:
     """Every engine's subscriber, started with the gateway and stopped with it."""
 
-    def __init__(self, mapping: dict[str, str], pools: Iterable[EnginePool]) -> None:
+    def __init__(self, mapping: dict[str, str], pools: Iterable[EnginePool], metrics: Metrics | None = None) -> None:
         self.ctx = zmq.asyncio.Context()
         self.subscribers: list[KVEventSubscriber] = []
+        self._roles: dict[str, str] = {}
         for pool in pools:
             for engine in pool.engines.values():
                 endpoint = mapping.get(engine.url)
                 if endpoint is not None:
                     engine.cache = CacheIndex()
+                    self._roles[engine.url] = pool.role
                     self.subscribers.append(KVEventSubscriber(engine.url, endpoint, engine.cache, self.ctx))
         self._tasks: list[asyncio.Task] = []
+        if metrics is not None:
+            metrics.kv_events.source = self.rows
+
+    def rows(self) -> list[tuple[str, str, int, str, int]]:
+        """Each subscribed engine's state, for `pdgw_kv_events_*`."""
+        return [(self._roles[s.url], s.url, len(s.index), s.index.knowledge.value, s.index.gaps)
+                for s in self.subscribers]
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(s.run()) for s in self.subscribers]

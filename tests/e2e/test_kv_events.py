@@ -54,6 +54,9 @@ def test_later_turns_go_local_from_d_s_cache_with_no_pin_and_no_lease(pd):
     for engine in pd.prefill + pd.decode:   # every engine's events decoded, none lost, blocks indexed
         assert seen[engine.url]["knowledge"] == "complete" and seen[engine.url]["blocks"] > 0, seen
         assert seen[engine.url]["block_size"] == BLOCK and seen[engine.url]["gaps"] == 0
+        pool = "prefill" if engine in pd.prefill else "decode"
+        assert pd.metric("pdgw_kv_events_knowledge", pool=pool, engine=engine.url, knowledge="complete") == 1
+        assert pd.metric("pdgw_kv_events_cached_blocks", pool=pool, engine=engine.url) > 0
 
 
 def test_a_conversation_d_evicted_is_not_planned_local_from_stale_knowledge(pd):
