@@ -148,7 +148,7 @@ class KVEventFeeds:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self.ctx.term()
+        self.ctx.destroy(linger=0)      # closes the sockets of a task cancelled before it ran, too
 
 
 def parse_mapping(entries: list[str]) -> dict[str, str]:
