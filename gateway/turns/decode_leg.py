@@ -115,7 +115,8 @@ class DecodeLeg:
                     yield out
                 if done:
                     break
-            if not capture.handle and capture.finished and not turn.plan.push:     # push: D never returns one
+            # push: D never returns one; a plan that asked D to hold nothing expects none
+            if not capture.handle and capture.finished and not turn.plan.push and turn.plan.hold:
                 self.metrics.handles_missing.labels(Reason.HANDLE_NOT_STREAMED.value).inc()
             await self.outcome.record(turn, capture)
             recorded = True

@@ -50,6 +50,7 @@ def test_later_turns_go_local_from_d_s_cache_with_no_pin_and_no_lease(pd):
     pd.wait_until(lambda: totals(pd, pd.decode, "handles_pinned") + totals(pd, pd.decode, "handles_leased_now")
                   == 0)
     assert pd.total("kv_reads_corrupt") == 0
+    assert pd.metric("pdgw_handles_missing_total", reason="handle_not_streamed") == 0   # none was asked for
     seen = kv_events(pd)
     for engine in pd.prefill + pd.decode:   # every engine's events decoded, none lost, blocks indexed
         assert seen[engine.url]["knowledge"] == "complete" and seen[engine.url]["blocks"] > 0, seen
