@@ -6,7 +6,6 @@ pin and no lease; when D evicts a conversation, the next turn is not sent local 
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 import uuid
 
@@ -60,22 +59,9 @@ def test_later_turns_go_local_from_d_s_cache_with_no_pin_and_no_lease(pd):
         assert pd.metric("pdgw_kv_events_cached_blocks", pool=pool, engine=engine.url) > 0
 
 
-def test_a_conversation_d_evicted_is_not_planned_local_from_stale_knowledge(pd):
-    chat = Chat(pd, uuid.uuid4().hex)
-    chat.say(topic(0))
-    assert chat.say(topic(1)).plan == "local"           # D's cache holds it, nothing pins it now
-    for i in range(8):                                  # others fill D's 48 blocks: the history is evicted
-        Chat(pd, uuid.uuid4().hex).say(topic(10 + i))
-    time.sleep(0.5)                                     # D's BlockRemoved events reach the gateway
-    turn = chat.say(topic(2))
-    assert (turn.plan, turn.reason) == ("full", "evicted")
-    assert turn.text == turn.expected
-    assert pd.metric("pdgw_turns_total", plan="full", reason="evicted") >= 1
-    assert pd.total("kv_reads_corrupt") == 0
-
-
 def test_sessionless_turns_still_ask_d_to_hold_so_the_next_one_finds_them(pd):
-    """A conversation found by its tokens is found through a live handle: its local turns keep asking D for one."""
+    """A conversation found by its tokens is found through a live handle: its local turns keep asking D for one.
+    (Before the eviction test: that one leaves D's pin budget full, and a handle turned away is not found.)"""
     messages = [{"role": "user", "content": topic(40)}]
     client = pd.client()
     plans = []
@@ -86,3 +72,18 @@ def test_sessionless_turns_still_ask_d_to_hold_so_the_next_one_finds_them(pd):
         messages += [{"role": "assistant", "content": out.choices[0].message.content},
                      {"role": "user", "content": topic(40 + i)}]
     assert plans[1:] == [("local", "prefix"), ("local", "prefix")], plans
+
+def test_a_conversation_d_evicted_is_not_planned_local_from_stale_knowledge(pd):
+    chat = Chat(pd, uuid.uuid4().hex)
+    chat.say(topic(0))
+    assert chat.say(topic(1)).plan == "local"           # D's cache holds it, nothing pins it now
+    for i in range(8):                                  # others fill D's 48 blocks: the history is evicted
+        Chat(pd, uuid.uuid4().hex).say(topic(10 + i))
+    d = pd.decode[0]                                    # every batch D sent (its BlockRemoved) reached the gateway
+    pd.wait_until(lambda: kv_events(pd)[d.url]["last_seq"] == pd.stats(d)["kv_event_batches"] - 1)
+    turn = chat.say(topic(2))
+    assert (turn.plan, turn.reason) == ("full", "evicted")
+    assert turn.text == turn.expected
+    assert pd.metric("pdgw_turns_total", plan="full", reason="evicted") >= 1
+    assert pd.total("kv_reads_corrupt") == 0
+
