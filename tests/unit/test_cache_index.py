@@ -162,3 +162,30 @@ async def test_feeds_give_each_named_engine_an_index_and_stop_at_once():
     feeds.start()
     await asyncio.wait_for(feeds.stop(), 5)     # a task cancelled before it ran leaves no socket open
     assert feeds.rows() == [("decode", "http://d0:8000", 0, "unknown", 0)]
+
+
+@pytest.mark.parametrize("events, knowledge, cached, known", [
+    ([[stored(0, 6, None)]], Knowledge.COMPLETE, 21, True),        # all of the 21 held tokens
+    ([[stored(0, 2, None)]], Knowledge.COMPLETE, 8, True),         # complete: what it lacks, it lacks
+    (None, Knowledge.UNKNOWN, 0, False),                           # nothing heard: the rates' estimate
+])
+def test_the_cost_plan_reads_p_s_cache_from_its_events(events, knowledge, cached, known):
+    from gateway.engines.engine import Engine
+    from gateway.store import Conversation
+    from gateway.turns.reuse.cost import TurnShape
+    from gateway.turns.runner import TurnRunner
+
+    class Rates:
+        def warm_tokens(self, *_):
+            return 0
+
+    p = Engine("http://p0", "prefill", cache=CacheIndex())
+    for seq, batch in enumerate(events or []):
+        p.cache.apply(seq, batch)
+    assert p.cache.knowledge is knowledge
+    held = Fingerprint.of(TOKENS, 21, BS)
+    record = Conversation(block_size=BS, held_tokens=21, block_hashes=held.block_hashes, prefill_engine="http://p0")
+    runner = TurnRunner.__new__(TurnRunner)
+    runner.rates = Rates()
+    shape = TurnRunner._p_cached(runner, TurnShape(30, 21, 20, 0, False), p, record)
+    assert (shape.p_cached_tokens, shape.p_cache_known) == (cached, known)
