@@ -261,6 +261,10 @@ def test_a_diverged_prompt_is_not_saved_by_the_cache():
 def test_with_a_handle_the_events_say_how_much_d_holds():
     plan = first_plan(PROMPT, d_claim(handle(19), blocks=2))
     assert plan.kind is PlanKind.REUSE and plan.d_cached == 8
+    held = first_plan(PROMPT, d_claim(handle(19), blocks=4, complete=False))
+    assert held.d_cached == 16                    # partial knowledge, but it holds it all: known
+    lost = first_plan(PROMPT, d_claim(handle(19), blocks=1, complete=False))
+    assert lost.kind is PlanKind.REUSE and lost.d_cached is None    # events lost: the handle's rules decide
 
 
 def test_a_local_turn_without_events_still_asks_d_to_hold():

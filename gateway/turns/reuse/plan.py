@@ -134,8 +134,10 @@ def first_plan(prompt: list[int], claim: Claim) -> Plan:
     plan = plan_with_handle(prompt, claim.held, claim.handle)
     if plan.handle is None or claim.d_cached_blocks is None:
         return plan
-    return replace(plan, d_cached=min(plan.reused_tokens // claim.held.block_size, claim.d_cached_blocks)
-                   * claim.held.block_size)
+    verified = plan.reused_tokens // claim.held.block_size
+    if claim.d_cached_blocks < verified and not claim.d_cache_complete:
+        return plan        # events were lost: the index may lack what the handle pins; the lease rules decide
+    return replace(plan, d_cached=min(verified, claim.d_cached_blocks) * claim.held.block_size)
 
 
 def from_cache(prompt: list[int], claim: Claim, missing: Reason) -> Plan:

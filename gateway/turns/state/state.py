@@ -13,6 +13,7 @@ import msgspec
 
 from gateway.config import DEFAULT_TENANT, Settings
 from gateway.engines import kv
+from gateway.engines.cache_index import Knowledge
 from gateway.engines.pool import EnginePool
 from gateway.store import Answer, Conversation, ConversationKey, ConversationStore, StoreUnavailableError, TurnStart
 from gateway.telemetry import Metrics
@@ -25,7 +26,6 @@ from gateway.turns.reuse.continuity import HASH_BYTES, Fingerprint, held_fingerp
 from gateway.turns.reuse.lookup import How
 from gateway.turns.reuse.plan import Claim, Plan, Reason
 from gateway.turns.state.ahead import ClaimAhead, PutBacks
-from gateway.engines.cache_index import Knowledge
 from gateway.turns.state.budget import NEVER_KEPT
 from gateway.turns.state.pinning import Pinning
 from gateway.turns.state.pins import PinLedger
