@@ -117,8 +117,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             url, _, endpoint = entry.partition("=")
             if url.rstrip("/") not in {u.rstrip("/") for u in self.prefill + self.decode}:
                 raise ValueError(f"kv_events: {entry!r} does not name a --prefill or --decode engine URL")
-            if not re.fullmatch(r"(tcp://[^\s/]+:\d+|ipc://\S+)", endpoint):
-                raise ValueError(f"kv_events: {entry!r}: the endpoint must be tcp://HOST:PORT or ipc://PATH")
+            if not re.fullmatch(r"(tcp://[^\s/*]+:\d+|ipc://\S+)", endpoint):
+                raise ValueError(f"kv_events: {entry!r}: the endpoint must be tcp://HOST:PORT or ipc://PATH "
+                                 "(where the engine publishes: not its tcp://*:PORT bind)")
         if self.redis_url is not None:
             _check_url("redis_url", self.redis_url, ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster"))
         if self.otlp_endpoint is not None:

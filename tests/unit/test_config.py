@@ -123,7 +123,8 @@ def test_an_otlp_endpoint_turns_tracing_on():
 
 @pytest.mark.parametrize("entry, ok", [
     ("http://d:8000=tcp://d:5557", True), ("http://d:8000/=ipc:///tmp/d.sock", True),
-    ("http://x:8000=tcp://d:5557", False), ("http://d:8000=d:5557", False), ("http://d:8000", False)])
+    ("http://x:8000=tcp://d:5557", False), ("http://d:8000=d:5557", False), ("http://d:8000", False),
+    ("http://d:8000=tcp://*:5557", False)])
 def test_kv_events_name_an_engine_and_an_endpoint(entry, ok):
     flags = {"prefill": ["http://p:8000"], "decode": ["http://d:8000"], "kv_events": [entry]}
     if ok:
