@@ -3,7 +3,10 @@ concurrent multi-turn conversations, while engines of each role are killed and r
 clients disconnect mid-stream, turns of one session race, an engine turns slow past its deadline, and bad
 input keeps coming. Then the simulators' oracle and the clients' own records are checked.
 
-    python bench/chaos.py [--quick]
+    python bench/chaos.py [--quick] [--kv-events]
+
+--kv-events: every engine publishes its KV events through a relay that drops, delays and reorders them
+(bench/event_relay.py), and the gateways plan from them (issue 36): still 0 corrupt.
 
 Last line: chaos: turns=N corrupt=0 hung=0 leaked_pins=0 bad_input_5xx=0 non_openai_errors=0 reuse_rate=R
 Above it, one line per fallback reason of the later turns that did not reuse (`fallback REASON: N`), most first.
@@ -27,6 +30,9 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import zmq.asyncio  # noqa: E402
+
+from bench.event_relay import EventRelay  # noqa: E402
 from gateway.processes import Server, start  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
@@ -68,21 +74,29 @@ class Tally:
 
 
 class Fleet:
-    def __init__(self, replicas: int) -> None:
+    def __init__(self, replicas: int, relays: dict[str, EventRelay] | None = None) -> None:
+        self.relays = relays or {}
         self.redis = RedisServer().start()
         self.dead_stats: list[dict] = []
         self.prefill = [self._sim("prefill", f"p{i}") for i in range(2)]
         self.decode = [self._sim("decode", f"d{i}") for i in range(2)]
         engines = [a for s in self.prefill for a in ("--prefill", s.url)] + \
                   [a for s in self.decode for a in ("--decode", s.url)]
+        names = [f"p{i}" for i in range(2)] + [f"d{i}" for i in range(2)]
+        for name, server in zip(names, self.sims):
+            if name in self.relays:
+                engines += ["--kv-events", f"{server.url}={self.relays[name].outlet}"]
         self.gateways = [start(["serve", *engines, "--redis-url", self.redis.url, *GATEWAY_FLAGS])
                          for _ in range(replicas)]
 
     def _sim(self, role: str, name: str, port: int = 0) -> Server:
         # A restarted engine gets a new engine id, as vLLM does unless one is configured. Both legs under `fail`
         # (docs/vllm-findings.md #8: vLLM parks a declined read under `recompute`).
+        relay = self.relays.get(name)
+        events = ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                    "endpoint": relay.inlet})] if relay else []
         return start(["sim", "--role", role, "--engine-id", f"{name}-{uuid.uuid4().hex[:6]}",
-                      "--kv-load-failure-policy", "fail", "--stream-kv-params", *SIM_FLAGS,
+                      "--kv-load-failure-policy", "fail", "--stream-kv-params", *SIM_FLAGS, *events,
                       *(["--kv-lease-duration", str(D_LEASE_S)] if role == "decode" else [])], port=port)
 
     @property
@@ -269,8 +283,13 @@ async def settle(fleet: Fleet, tally: Tally) -> None:
         tally.notes.append(f"{s['engine_id']}: " + " ".join(f"{k}={s[k]}" for k in keys))
 
 
-async def run(clients: int, turns: int, fault_period: float, replicas: int) -> Tally:
-    fleet = await asyncio.to_thread(Fleet, replicas)
+async def run(clients: int, turns: int, fault_period: float, replicas: int, kv_events: bool = False) -> Tally:
+    ctx = zmq.asyncio.Context()
+    relays = {name: EventRelay(ctx, rng=random.Random(i)) for i, name in enumerate(("p0", "p1", "d0", "d1"))} \
+        if kv_events else {}
+    for relay in relays.values():
+        relay.start()
+    fleet = await asyncio.to_thread(Fleet, replicas, relays)
     tally, fault_log, stop = Tally(), [], asyncio.Event()
     try:
         timeout = aiohttp.ClientTimeout(total=HUNG_S + 30)
@@ -287,7 +306,12 @@ async def run(clients: int, turns: int, fault_period: float, replicas: int) -> T
         await settle(fleet, tally)
     finally:
         fleet.stop()
+        for relay in relays.values():
+            await relay.stop()
+        ctx.term()
     print("\n".join(fault_log))
+    if relays:
+        print("kv events:", {name: relay.counts for name, relay in relays.items()})
     print(f"load: {tally.turns} turns in {elapsed:.1f}s, {tally.failed} failed with an OpenAI error, "
           f"{tally.disconnects} client disconnects")
     print("errors:", dict(tally.errors.most_common()))
@@ -305,13 +329,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="about 2 minutes")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--kv-events", action="store_true",
+                        help="engines publish KV events through a relay that drops, delays and reorders them")
     parser.add_argument("--pin-budget", help="the gateways' --decode-pin-budget (a small one makes them evict)")
     args = parser.parse_args()
     GATEWAY_FLAGS.extend(["--decode-pin-budget", args.pin_budget] if args.pin_budget else [])
     random.seed(args.seed)
     size = dict(clients=150, turns=4, fault_period=8.0, replicas=3) if args.quick else \
         dict(clients=300, turns=6, fault_period=20.0, replicas=3)
-    t = asyncio.run(run(**size))
+    t = asyncio.run(run(**size, kv_events=args.kv_events))
     reuse_rate = t.reused / t.later_turns if t.later_turns else 0.0
     print(f"later turns: {t.later_turns} answered of {t.later_attempts}; {t.reused} of them reused D's KV")
     for reason, count in t.fallbacks.most_common():

@@ -25,6 +25,7 @@ from gateway.api.routes import ROUTES, Gateway
 from gateway.config import Settings, engine_names
 from gateway.engines.client import EngineClient
 from gateway.engines.health import HealthChecker
+from gateway.engines.kv_events import KVEventFeeds, parse_mapping
 from gateway.engines.pool import EnginePool
 from gateway.engines.registry import EngineRegistry
 from gateway.engines.transfer import Mode, PushIdentities, TransferModeError
@@ -89,6 +90,8 @@ async def _lifespan(app: Litestar, settings: Settings, tracing: Tracing,
         prefill, decode = EnginePool("prefill", settings.prefill, names), EnginePool("decode", settings.decode, names)
         store = open_store(settings.redis_url, settings.conversation_ttl_s)
         health = HealthChecker(client, [prefill, decode], state.metrics, settings.health_interval_s)
+        feeds = KVEventFeeds(parse_mapping(settings.kv_events), [prefill, decode], state.metrics)
+        feeds.start()                        # before the first turn: a publisher's seq 0 then says "complete"
         await health.check_all()
         renderer = Renderer(settings.tokenizer, settings.chat_template)
         report = await startup_report(client, prefill, decode, renderer, store, settings)
@@ -122,6 +125,7 @@ async def _lifespan(app: Litestar, settings: Settings, tracing: Tracing,
                 yield
         finally:
             checker.cancel()
+            await feeds.stop()
             if sharing is not None:
                 sharing.cancel()
             if probing is not None:

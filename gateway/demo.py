@@ -150,7 +150,7 @@ def main(argv: list[str]) -> None:
 
 # What a coding agent needs of the engines (Claude Code and OpenCode ask max_tokens 32000 on prompts of ~30k
 # tokens, every request with tools and tool_choice auto): tool calls parsed as vLLM's hermes parser does
-# (docs/protocol.md §10; the simulated model answers in text after 3 rounds of calls, so an agent's loop ends), a
+# (docs/protocol.md §11; the simulated model answers in text after 3 rounds of calls, so an agent's loop ends), a
 # 128k context, and KV for two such contexts per engine. The compose sim profile runs the same flags.
 AGENT_READY = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--tool-call-rounds", "3",
                "--max-model-len", "131072", "--num-blocks", "16384"]

@@ -128,6 +128,8 @@ class Metrics:
         r.register(self.learned_rates)
         self.engine_data_plane = EngineDataPlane()
         r.register(self.engine_data_plane)
+        self.kv_events = KVEventsState()
+        r.register(self.kv_events)
 
     def engine_label(self, url: str) -> str:
         return self.engine_names.get(url, "unnamed") if url else url
@@ -232,6 +234,32 @@ class EngineDataPlane:
                 else:
                     family.add_metric([pool, engine], float(value))
             yield family
+
+
+class KVEventsState:
+    """`pdgw_kv_events_*{pool, engine}`: what each engine's KV events say of its prefix cache, read from `source`
+    at scrape time: (pool, engine URL, blocks indexed, knowledge, batches lost) per subscribed engine."""
+
+    KNOWLEDGE = ("unknown", "partial", "complete")
+
+    def __init__(self) -> None:
+        self.source: Callable[[], Iterable[tuple[str, str, int, str, int]]] = list
+
+    def collect(self) -> Iterator[Metric]:
+        rows = list(self.source())
+        blocks = GaugeMetricFamily("pdgw_kv_events_cached_blocks", "Blocks each engine's prefix cache holds by its "
+                                   "KV events (those the gateway could chain)", labels=["pool", "engine"])
+        known = GaugeMetricFamily("pdgw_kv_events_knowledge", "1 for what the gateway knows of each engine's cache: "
+                                  "complete, partial (events lost: positives only) or unknown",
+                                  labels=["pool", "engine", "knowledge"])
+        gaps = CounterMetricFamily("pdgw_kv_events_gaps", "Times events were found lost (a gap in the sequence "
+                                   "numbers, a late join, a restart)", labels=["pool", "engine"])
+        for pool, engine, count, knowledge, lost in rows:
+            blocks.add_metric([pool, engine], float(count))
+            for state in self.KNOWLEDGE:
+                known.add_metric([pool, engine, state], 1.0 if state == knowledge else 0.0)
+            gaps.add_metric([pool, engine], float(lost))
+        yield from (blocks, known, gaps)
 
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"

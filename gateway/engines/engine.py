@@ -6,6 +6,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+from gateway.engines.cache_index import CacheIndex
 from typing import Literal
 
 from gateway.engines.dataplane import DataPlane
@@ -57,6 +59,8 @@ class Engine:
     info: dict = field(default_factory=dict)      # /version, block size, served models: filled at start-up
     # The last scrape of its /metrics (health loop): KV usage, queue, preemptions, NIXL reads. None: no answer.
     data_plane: DataPlane | None = None
+    # What its prefix cache holds, from its KV events (kv_events.py); None: it publishes none (--kv-events)
+    cache: CacheIndex | None = None
 
     def available(self, now: float) -> bool:
         return self.healthy and self.breaker.allows(now)

@@ -109,6 +109,13 @@ def local_params(pinned_ids: bytes | None = None) -> dict[str, Any]:
     return leg_params(None, pinned_ids)
 
 
+def cache_params(pinned_ids: bytes | None = None) -> dict[str, Any]:
+    """The holder D on the local path, holding nothing after: only the verified ids, no flags, so D returns no
+    handle and pins nothing (§9: the params are empty once the ids are popped); its prefix cache keeps the
+    blocks until it needs them, and its KV events say when it no longer does (§10)."""
+    return {} if pinned_ids is None else {_PINNED_IDS: msgspec.Raw(pinned_ids)}
+
+
 def decode_params(prefill_handle: Handle | None, pinned_ids: bytes | None = None) -> dict[str, Any]:
     """D's leg reads P's handle; without one (P gave none) D simply prefills itself (§3)."""
     params = dict(prefill_handle.wire) if prefill_handle is not None else {}

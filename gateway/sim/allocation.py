@@ -52,8 +52,7 @@ class Allocator:
                 block = self.engine.pool.blocks[table[i]]
                 block.slots = [(prompt[p], p) for p in range(i * bs, min((i + 1) * bs, len(prompt)))]
                 recomputed += len(block.slots)
-                if i < len(hashes):
-                    self.engine.pool.commit(table[i], hashes[i])
+            self.engine.pool.commit_run(table, hashes, prompt, num_hits, req.cache_salt)
             self.engine.stats.prompt_tokens_computed += recomputed
             await self.engine.steps.compute(recomputed)
         except BaseException:

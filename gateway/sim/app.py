@@ -176,7 +176,9 @@ def create_sim_app(settings: SimSettings) -> Litestar:
                       "waiting": engine.waiting, "push_registrations_pending": len(engine.push_sender.pending),
                       "push_blocks_staged": len(engine.push_sender.staged),
                       "push_waiting": len(engine.push_receiver.waiting) - engine.push_receiver.orphans,
-                      "push_orphans": engine.push_receiver.orphans})
+                      "push_orphans": engine.push_receiver.orphans,
+                      "kv_events_endpoint": engine.events.endpoint if engine.events else None,
+                      "kv_event_batches": engine.events.sent if engine.events else 0})
 
     @post("/sim/reset", status_code=200)
     async def reset(request: Request) -> Response:

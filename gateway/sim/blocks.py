@@ -11,6 +11,9 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
+
+from gateway.sim.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, removed, stored
 
 Slot = tuple[int, int]  # (token id, position) whose KV a slot holds
 GARBAGE: Slot = (-1, -1)  # uninitialised memory: what a read past a block's filled slots gets
@@ -35,6 +38,10 @@ def block_hashes(tokens: list[int], block_size: int, salt: str | None = None) ->
     return hashes
 
 
+class EventSink(Protocol):
+    def emit(self, event: BlockStored | BlockRemoved | AllBlocksCleared) -> None: ...
+
+
 class PoolExhaustedError(Exception):
     """Not enough free blocks for a request."""
 
@@ -42,8 +49,10 @@ class PoolExhaustedError(Exception):
 class BlockPool:
     """Fixed set of blocks; free blocks stay in the prefix cache until reused, evicted least recent first."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, caching: bool = True,
+                 events: EventSink | None = None) -> None:
         self.block_size = block_size
+        self.events = events            # KV events (kvevents.py): what the prefix cache gains and loses
         self.caching = caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -104,20 +113,47 @@ class BlockPool:
         if freed and self.on_free is not None:
             self.on_free()
 
-    def commit(self, block_id: int, h: bytes) -> None:
+    def commit(self, block_id: int, h: bytes) -> bool:
         """Register a full block in the prefix cache; the first block cached under a hash keeps it."""
         if self.caching and h not in self.cached:
             block = self.blocks[block_id]
             self._uncache(block)
             block.hash = h
             self.cached[h] = block_id
+            return True
+        return False
+
+    def commit_run(self, table: list[int], hashes: list[bytes], tokens: list[int], start: int,
+                   salt: str | None = None) -> None:
+        """Cache the full blocks `table[start:len(hashes)]` of a request whose token ids are `tokens`, and announce
+        each run of newly cached blocks as one BlockStored with the request's token ids of those blocks and
+        the hash of the block before them (vLLM's cache_full_blocks, v1/core/block_pool.py:261-346)."""
+        run: list[int] = []
+        for i in range(start, len(hashes)):
+            if self.commit(table[i], hashes[i]):
+                run.append(i)
+                continue
+            self._announce(run, hashes, tokens, salt)
+            run = []
+        self._announce(run, hashes, tokens, salt)
+
+    def _announce(self, run: list[int], hashes: list[bytes], tokens: list[int], salt: str | None) -> None:
+        if not run or self.events is None:
+            return
+        first, bs = run[0], self.block_size
+        self.events.emit(stored([hashes[i] for i in run], hashes[first - 1] if first else None,
+                                tokens[first * bs:(run[-1] + 1) * bs], bs, salt))
 
     def reset_cache(self) -> None:
         for block in self.blocks:
             block.hash = None
         self.cached.clear()
+        if self.caching and self.events is not None:
+            self.events.emit(AllBlocksCleared())       # block_pool.py:863-864
 
     def _uncache(self, block: Block) -> None:
         if block.hash is not None and self.cached.get(block.hash) == block.id:
             del self.cached[block.hash]
+            if self.events is not None:
+                self.events.emit(removed(block.hash))  # evicted: block_pool.py:611-624
         block.hash = None

@@ -8,9 +8,11 @@ import socket
 import uuid
 from pathlib import Path
 
+import msgspec
 import uvicorn
 
 from gateway.sim.app import create_sim_app
+from gateway.sim.kvevents import KVEventsConfig
 from gateway.sim.settings import (DEFAULT_BLOCK_SIZE, DEFAULT_LEASE_S, DEFAULT_MAX_MODEL_LEN,
                                   DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_NUM_BLOCKS,
                                   DEFAULT_PIN_TTL_S, DEFAULT_VERSION, EXPIRY_MARGIN_S, SimSettings)
@@ -25,6 +27,13 @@ def _range(text: str) -> tuple[int, int]:
     if not 1 <= low <= high:
         raise argparse.ArgumentTypeError("expected MIN:MAX with 1 <= MIN <= MAX")
     return low, high
+
+
+def _kv_events(text: str) -> KVEventsConfig:
+    try:
+        return msgspec.json.decode(text, type=KVEventsConfig)
+    except msgspec.DecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--kv-events-config: {exc}") from exc
 
 
 def parser() -> argparse.ArgumentParser:
@@ -78,6 +87,9 @@ def parser() -> argparse.ArgumentParser:
     a("--tool-call-rounds", type=int, default=0,
       help="the model answers in text after this many rounds of tool calls since the last user message "
            "(an agent loop ends); 0: no limit")
+    a("--kv-events-config", type=_kv_events, default=None,
+      help='vLLM\'s KV events, e.g. \'{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557",'
+           '"topic":"kv"}\' (docs/protocol.md §10)')
     a("--version", default=DEFAULT_VERSION, help="version string reported at /version")
     a("--log-level", default="warning")
     return p
@@ -102,7 +114,7 @@ def settings_from(args: argparse.Namespace, port: int) -> SimSettings:
         tool_call_rate=args.tool_call_rate, tool_call_style=args.tool_call_style,
         tool_call_rounds=args.tool_call_rounds,
         transfer_mode=args.kv_transfer_mode, push_registration_timeout=args.push_registration_timeout,
-        push_fault=args.push_fault)
+        push_fault=args.push_fault, kv_events=args.kv_events_config)
 
 
 def main(argv: list[str] | None = None) -> None:

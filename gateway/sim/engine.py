@@ -20,6 +20,7 @@ from gateway.sim.failures import RequestFailed
 from gateway.sim.generate import Model, context_digest
 from gateway.sim.handles import HandleTable
 from gateway.sim.holding import Holding
+from gateway.sim.kvevents import KVEventPublisher
 from gateway.sim.kvload import KVSource, parks
 from gateway.sim.nixl import NixlStats
 from gateway.sim.push import PushReceiver, PushSender
@@ -41,7 +42,10 @@ class Engine:
         self.bs = settings.block_size
         self.stats = SimStats()
         self.nixl = NixlStats()
-        self.pool = BlockPool(settings.num_blocks, settings.block_size, caching=settings.prefix_caching)
+        events = settings.kv_events
+        self.events = KVEventPublisher(events) if events is not None and events.publishes else None
+        self.pool = BlockPool(settings.num_blocks, settings.block_size, caching=settings.prefix_caching,
+                              events=self.events)
         self.handles = HandleTable(self.pool, self.stats)
         self.block_queue = BlockQueue(self.pool, self.stats)
         self.model = Model(renderer, output_tokens=settings.output_tokens, canonical=settings.canonical,
@@ -71,6 +75,8 @@ class Engine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._ticker
         await self.kv.close()
+        if self.events is not None:
+            self.events.close()
 
     def reset(self, num_blocks: int | None = None) -> None:
         """Forget handles, cache and counters; with `num_blocks`, also resize the KV pool (benchmarks sweep it).
@@ -84,7 +90,7 @@ class Engine:
         self.nixl = NixlStats()
         if num_blocks is not None and num_blocks != self.settings.num_blocks:
             self.settings = msgspec.structs.replace(self.settings, num_blocks=num_blocks)
-            self.pool = BlockPool(num_blocks, self.bs, caching=self.settings.prefix_caching)
+            self.pool = BlockPool(num_blocks, self.bs, caching=self.settings.prefix_caching, events=self.events)
             self.handles = HandleTable(self.pool, self.stats)
             self.block_queue = BlockQueue(self.pool, self.stats)
         self.handles.stats = self.block_queue.stats = self.stats
@@ -168,8 +174,7 @@ class Engine:
             raise
         for p in range(cached, len(prompt)):
             self.pool.blocks[table[p // bs]].slots.append(loaded.get(p, (prompt[p], p)))
-        for i in range(len(hits), len(hashes)):
-            self.pool.commit(table[i], hashes[i])
+        self.pool.commit_run(table, hashes, prompt, len(hits), req.cache_salt)  # loaded blocks too: D announces them
         computed = len(prompt) - cached - len(loaded)
         self.stats.prompt_tokens_cached += cached
         self.stats.prompt_tokens_loaded += len(loaded)

@@ -60,8 +60,7 @@ class Holding:
         for p in range(len(run.req.prompt), kv_len):
             pool.blocks[run.table[p // bs]].slots.append((seq[p], p))
         hashes = block_hashes(seq[:kv_len], bs, run.req.cache_salt)
-        for i in range(run.num_hits, len(hashes)):
-            pool.commit(run.table[i], hashes[i])
+        pool.commit_run(run.table, hashes, seq, run.num_hits, run.req.cache_salt)
         return True
 
     def _hold(self, run: Running, num_tokens: int, ttl: float, kind: str) -> dict[str, Any]:

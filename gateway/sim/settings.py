@@ -7,6 +7,8 @@ from typing import Literal
 
 import msgspec
 
+from gateway.sim.kvevents import KVEventsConfig
+
 Role = Literal["prefill", "decode", "colocated"]
 FailurePolicy = Literal["recompute", "fail"]
 TransferMode = Literal["pull", "push"]  # NixlConnector (READ by D) or NixlPushConnector (WRITE by P), protocol §8
@@ -65,6 +67,7 @@ class SimSettings(msgspec.Struct, kw_only=True, frozen=True):
     tool_call_style: Literal["template", "varied"] = "template"
     tool_call_rounds: int = 0             # rounds of calls after which the model answers in text (0: no limit)
     version: str = DEFAULT_VERSION
+    kv_events: KVEventsConfig | None = None   # --kv-events-config: publish the prefix cache's changes
 
     def __post_init__(self) -> None:
         if self.transfer_mode == "push" and self.bidirectional and self.has_connector:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from gateway.engines import kv
+from gateway.engines.engine import Engine
 from gateway.engines.pool import EnginePool
 from gateway.engines.registry import EngineRegistry
 from gateway.store import ConversationKey, ConversationStore
@@ -47,7 +48,7 @@ class EngineAdmin:
 
     def describe(self) -> list[dict[str, Any]]:
         return [{"url": e.url, "role": e.role, "healthy": e.healthy, "outstanding_requests": e.outstanding_requests,
-                 "outstanding_prompt_tokens": e.outstanding_tokens, **e.info}
+                 "outstanding_prompt_tokens": e.outstanding_tokens, **e.info, **_cache(e)}
                 for pool in self.pools for e in pool.engines.values()]
 
     async def add(self, role: Role, url: str) -> dict[str, Any]:
@@ -56,3 +57,12 @@ class EngineAdmin:
 
     def remove(self, role: Role, url: str) -> bool:
         return self.registry.remove(role, url)
+
+
+def _cache(engine: Engine) -> dict[str, Any]:
+    """What its KV events say its prefix cache holds (docs/protocol.md §10); nothing when it publishes none."""
+    cache = engine.cache
+    if cache is None:
+        return {}
+    return {"kv_events": {"knowledge": cache.knowledge.value, "blocks": len(cache), "block_size": cache.block_size,
+                          "last_seq": cache.last_seq, "gaps": cache.gaps, "unchained_blocks": cache.unchained}}

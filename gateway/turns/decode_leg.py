@@ -98,7 +98,8 @@ class DecodeLeg:
 
     def _body(self, turn: Turn) -> dict[str, Any]:
         return decode_body(turn.req, turn.prefill_handle, local=turn.plan.local, push=turn.plan.push, pair=turn.pair,
-                           stub=pinned_ids_proven(turn.decode))      # D uses the ids it is sent: no history text
+                           stub=pinned_ids_proven(turn.decode),      # D uses the ids it is sent: no history text
+                           hold=turn.plan.hold)
 
     def _first_byte_s(self, turn: Turn) -> float:
         """A push pair's D first waits for P's prefill and WRITE: the pair's own deadline (push_leg.py)."""
@@ -125,7 +126,8 @@ class DecodeLeg:
                     yield out
                 if done:
                     break
-            if not capture.handle and capture.finished and not turn.plan.push:     # push: D never returns one
+            # push: D never returns one; a plan that asked D to hold nothing expects none
+            if not capture.handle and capture.finished and not turn.plan.push and turn.plan.hold:
                 self.metrics.handles_missing.labels(Reason.HANDLE_NOT_STREAMED.value).inc()
             await self.outcome.record(turn, capture)
             recorded = True

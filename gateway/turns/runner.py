@@ -15,6 +15,7 @@ from dataclasses import replace
 
 from gateway.config import DEFAULT_TENANT, Settings
 from gateway.engines import routing
+from gateway.engines.cache_index import Knowledge
 from gateway.engines.client import EngineClient
 from gateway.engines.engine import Engine
 from gateway.engines.pool import EnginePool
@@ -116,9 +117,9 @@ class TurnRunner:
         if turn.plan.push and record is not None:     # push: no handle; D alone where its cache serves
             on_holder = turn.decode is not None and turn.decode.url == record.decode_engine
             turn.plan = plans.push_path(turn.plan, len(turn.req.prompt_ids), record.block_size, on_holder,
-                                        self.settings.local_prefill_max_tokens)
+                                        self.local_bound(turn))
             return None
-        if turn.plan.handle is None or record is None:
+        if record is None or not plans.may_go_local(turn.plan):
             return None
         shape = self._shape(turn, record)
         if self.settings.reuse_policy != "cost":
@@ -126,8 +127,7 @@ class TurnRunner:
             self._hold_back(turn)
             return None
         prefill = self._pick(turn, "prefill")
-        shape = replace(shape, p_cached_tokens=self.rates.warm_tokens(prefill.url, record.prefill_engine,
-                                                                      record.held_tokens))
+        shape = self._p_cached(shape, prefill, record)
         costs = self.rates.path_costs(prefill.url, record.decode_engine, p_queued_tokens=prefill.outstanding_tokens,
                                       p_waiting=prefill.outstanding_requests)
         turn.plan = plans.by_path(turn.plan, costs, shape)
@@ -136,26 +136,52 @@ class TurnRunner:
 
     def _hold_back(self, turn: Turn) -> None:
         """The claimed handle a plan does not read goes back once D has answered; a local turn's too, since D's
-        new request then holds the blocks the old handle pins (docs/protocol.md §9), never before."""
+        new request then holds the blocks the old handle pins (docs/protocol.md §9), never before. A turn found
+        by its tokens keeps asking D to hold its result: only a live handle lets its next turn find it."""
+        if not turn.plan.hold and turn.how is not How.SESSION:
+            turn.plan = replace(turn.plan, hold=True)
         if turn.plan.release:
             self.outcome.release_later(turn, turn.plan.release)
         if turn.plan.local and turn.plan.handle is not None:
             self.outcome.release_later(turn, turn.plan.handle)
 
-    def _shape(self, turn: Turn, record: Conversation) -> TurnShape:
-        """The turn as the path choice sees it: local only on the holder D, for a suffix within the bound, and
-        while the conversation's turns come sooner than a local turn's handle lives (D's lease: the P path's
-        handle lives for D's decoder TTL instead): the gap before this turn is the guess for the next one."""
-        prompt = len(turn.req.prompt_ids)
-        hit = plans.local_hit(turn.plan, prompt, record.block_size)
+    def local_bound(self, turn: Turn) -> int:
+        """The most prompt tokens the holder D may compute itself on the local path (0: off): D's headroom
+        (reuse/headroom.py) within the cap, kept on the turn for its log line."""
+        if turn.decode is None:
+            return 0
         s = self.settings
         turn.headroom = headroom.for_decode(turn.decode, s.local_prefill_max_tokens, s.local_itl_budget_ms,
-                                            self.rates.any_prefill_rate()) if turn.decode is not None else None
-        bound = turn.headroom.bound if turn.headroom is not None else 0
-        fits = (0 < prompt - hit <= bound and turn.decode is not None and turn.decode.url == record.decode_engine
-                and turn.plan.kind in (PlanKind.REUSE, PlanKind.PARTIAL))
-        lease_short = fits and time.time() - record.updated_at > self.settings.lease_ttl_s
+                                            self.rates.any_prefill_rate())
+        return turn.headroom.bound
+
+    def _shape(self, turn: Turn, record: Conversation) -> TurnShape:
+        """The turn as the path choice sees it: local only on the holder D, for a suffix within the bound. Where
+        D's KV events say what its cache holds (`plan.d_cached`), that decides the hit, handle or not; else the
+        verified prefix counts, and only while the conversation's turns come sooner than a local turn's handle
+        lives (D's lease: the P path's handle lives for D's decoder TTL instead): the gap before this turn is the
+        guess for the next one."""
+        prompt = len(turn.req.prompt_ids)
+        known = turn.plan.d_cached is not None
+        hit = plans.local_hit(turn.plan, prompt, record.block_size)
+        if turn.plan.d_cached is not None:        # within the verified prefix already, whole blocks
+            hit = min(turn.plan.d_cached, prompt - 1) // record.block_size * record.block_size
+        fits = (0 < prompt - hit <= self.local_bound(turn) and turn.decode is not None
+                and turn.decode.url == record.decode_engine
+                and (hit > 0 if known else turn.plan.kind in (PlanKind.REUSE, PlanKind.PARTIAL)))
+        lease_short = fits and not known and time.time() - record.updated_at > self.settings.lease_ttl_s
         return TurnShape(prompt, turn.plan.reused_tokens, hit, 0, fits and not lease_short, lease_short)
+
+    def _p_cached(self, shape: TurnShape, prefill: Engine, record: Conversation) -> TurnShape:
+        """P's own prefix-cache hits on the history: what P's KV events say where it publishes them, else the
+        rates' estimate."""
+        cache = prefill.cache
+        if cache is not None and cache.knowledge is not Knowledge.UNKNOWN:
+            blocks = cache.leading(record.block_hashes, record.block_size)
+            return replace(shape, p_cached_tokens=min(blocks * record.block_size, record.held_tokens),
+                           p_cache_known=cache.knowledge is Knowledge.COMPLETE or blocks > 0)
+        return replace(shape, p_cached_tokens=self.rates.warm_tokens(prefill.url, record.prefill_engine,
+                                                                     record.held_tokens))
 
     def _pick(self, turn: Turn, leg: Leg) -> Engine:
         """D first, then P (routing.py's profiles); an engine that failed this turn is not picked again."""

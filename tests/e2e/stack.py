@@ -65,6 +65,9 @@ class Stack:
         return 0.0
 
 
+KV_EVENTS = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*", "topic": "kv"}'
+
+
 def get_json(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=5) as resp:
         return json.loads(resp.read())
@@ -73,7 +76,8 @@ def get_json(url: str) -> dict:
 @contextlib.contextmanager
 def stack(*, sim: list[str] = (), decode: list[str] = ("--stream-kv-params",), gateway: list[str] = (),
           tokenizer: str = "builtin:demo", prefills: int = 1, decodes: int = 1, gateways: int = 1,
-          local: bool = False) -> Iterator[Stack]:
+          local: bool = False, kv_events: bool = False) -> Iterator[Stack]:
+    """`kv_events`: every sim publishes its KV events on a loopback port, and the gateway subscribes to them."""
     servers: list[Server] = []
 
     def launch(args: list[str]) -> Server:
@@ -81,7 +85,7 @@ def stack(*, sim: list[str] = (), decode: list[str] = ("--stream-kv-params",), g
         return servers[-1]
 
     try:
-        common = ["sim", "--tokenizer", tokenizer, *sim]
+        common = ["sim", "--tokenizer", tokenizer, *sim, *(["--kv-events-config", KV_EVENTS] if kv_events else [])]
         p = [launch([*common, "--role", "prefill", "--engine-id", f"p{i}"]) for i in range(prefills)]
         d = [launch([*common, "--role", "decode", "--engine-id", f"d{i}", *decode]) for i in range(decodes)]
         base = launch([*common, "--role", "colocated", "--engine-id", "baseline"])
@@ -93,6 +97,8 @@ def stack(*, sim: list[str] = (), decode: list[str] = ("--stream-kv-params",), g
             args += ["--prefill", server.url]
         for server in d:
             args += ["--decode", server.url]
+        for server in (p + d if kv_events else []):
+            args += ["--kv-events", f"{server.url}={get_json(server.url + '/sim/stats')['kv_events_endpoint']}"]
         yield Stack(p, d, base, [launch(args) for _ in range(gateways)])
     finally:
         for server in reversed(servers):

@@ -38,7 +38,7 @@ def test_idle_handles_are_evicted_and_their_next_turns_say_so(small_d):
     seconds = [chat.say("And then?") for chat in reversed(chats)]     # newest first: LRU kept those
     reasons = [t.reason for t in seconds]
     assert reasons[0] == "continuous", reasons      # the most recently used was kept
-    assert reasons[-1] == "evicted", reasons        # the least recently used went first
+    assert reasons[-1] == "budget_evicted", reasons        # the least recently used went first
     assert all(t.text == t.expected for t in seconds), "an evicted conversation's turn differs from one engine"
     assert small_d.total("kv_reads_corrupt") == 0 and small_d.total("requests_corrupt") == 0
-    assert small_d.metric("pdgw_handles_released_total", reason="evicted") >= reasons.count("evicted")
+    assert small_d.metric("pdgw_handles_released_total", reason="evicted") >= reasons.count("budget_evicted")

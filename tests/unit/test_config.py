@@ -119,3 +119,16 @@ def test_an_otlp_endpoint_turns_tracing_on():
     assert build().tracing == "off"
     assert build({"otlp_endpoint": "http://collector:4318/v1/traces"}).tracing == "otlp"
     assert build({"tracing": "console"}).tracing == "console"
+
+
+@pytest.mark.parametrize("entry, ok", [
+    ("http://d:8000=tcp://d:5557", True), ("http://d:8000/=ipc:///tmp/d.sock", True),
+    ("http://x:8000=tcp://d:5557", False), ("http://d:8000=d:5557", False), ("http://d:8000", False),
+    ("http://d:8000=tcp://*:5557", False)])
+def test_kv_events_name_an_engine_and_an_endpoint(entry, ok):
+    flags = {"prefill": ["http://p:8000"], "decode": ["http://d:8000"], "kv_events": [entry]}
+    if ok:
+        assert config.build(flags, environ={}).kv_events == [entry]
+    else:
+        with pytest.raises(ConfigError, match="kv_events"):
+            config.build(flags, environ={})

@@ -86,7 +86,7 @@ async def test_over_budget_the_least_recently_used_idle_handle_is_evicted_and_it
     assert value(metrics, "pdgw_handles_evicted_total", engine=D_NAME) == 1
     assert value(metrics, "pdgw_pinned_tokens", engine=D_NAME) == 32
     _, claim = await turn(state, "a", 20)
-    assert claim.handle is None and claim.missing == Reason.EVICTED
+    assert claim.handle is None and claim.missing == Reason.BUDGET_EVICTED
 
 
 async def test_a_claimed_handle_is_never_evicted():
@@ -110,9 +110,9 @@ async def test_a_handle_larger_than_the_budget_is_released_not_stored():
     await turn(state, "a", 48)                                  # 12 blocks > 10
     assert releaser.released == [(48, "evicted")]
     record, handle, _ = await state.store.get(ConversationKey("t", "a"))
-    assert handle is None and record.handle_note == "evicted"
+    assert handle is None and record.handle_note == "never_kept"
     _, claim = await turn(state, "a", 52)
-    assert claim.missing == Reason.EVICTED
+    assert claim.missing == Reason.NEVER_KEPT
 
 
 async def test_unknown_capacity_or_budget_off_evicts_nothing():
@@ -165,7 +165,7 @@ async def test_d_short_of_blocks_pins_nothing_and_its_next_turn_is_a_full_prefil
     pins = holder.info["pins"]
     assert pins["pressure_factor"] == 0.0 and pins["budget_blocks"] == 0 and pins["configured_budget_blocks"] == 50
     _, claim = await turn(state, "b", 20)
-    assert claim.handle is None and claim.missing == Reason.EVICTED
+    assert claim.handle is None and claim.missing == Reason.NEVER_KEPT
 
 
 async def test_a_used_handle_counts_its_saved_tokens():

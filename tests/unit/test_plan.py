@@ -201,3 +201,88 @@ def test_replan_after_a_local_turn_s_d_failed(setback, kind, reason, handle_kept
     assert (step.plan.handle == first.handle) is handle_kept
     if handle_kept:
         assert step.plan.reused_tokens == 19
+
+
+# -- what D holds, by its KV events (issue 36) ---------------------------------------------------------------
+from dataclasses import replace as _replace  # noqa: E402
+
+from gateway.turns.reuse.plan import by_shape, from_cache  # noqa: E402
+
+HELD = Fingerprint.of(S, 19, BS)        # 4 whole blocks verified by a prompt extending S
+PROMPT = S + [1, 2]
+
+
+def d_claim(handle_: Handle | None = None, missing: Reason | None = Reason.NO_HANDLE, *, blocks: int | None = 4,
+          complete: bool = True) -> Claim:
+    return Claim(False, handle_, None if handle_ else missing, HELD, True, True, d_cached_blocks=blocks,
+                 d_cache_complete=complete)
+
+
+@pytest.mark.parametrize("missing", [Reason.NO_HANDLE, Reason.HANDLE_EXPIRED, Reason.BUDGET_EVICTED,
+                                     Reason.NEVER_KEPT])
+def test_no_handle_but_d_holds_the_history_may_go_local(missing):
+    plan = first_plan(PROMPT, d_claim(missing=missing))
+    assert (plan.kind, plan.reason, plan.d_cached, plan.handle) == (PlanKind.FULL, missing, 16, None)
+    shape = TurnShape(len(PROMPT), 0, 16, 0, True)
+    local = by_shape(plan, shape)
+    assert local.kind is PlanKind.LOCAL and local.reused_tokens == 16 and not local.hold
+    assert local.instead == plan                       # D failing: P computes it all
+
+
+def test_d_dropped_the_history_is_evicted_and_never_local_from_stale_knowledge():
+    plan = first_plan(PROMPT, d_claim(missing=Reason.NO_HANDLE, blocks=1))
+    assert (plan.kind, plan.reason, plan.d_cached) == (PlanKind.FULL, Reason.EVICTED, 4)
+    gone = first_plan(PROMPT, d_claim(missing=Reason.BUDGET_EVICTED, blocks=0))
+    assert (gone.reason, gone.d_cached) == (Reason.EVICTED, 0)
+
+
+def test_partial_knowledge_does_not_name_an_eviction():
+    plan = first_plan(PROMPT, d_claim(missing=Reason.HANDLE_EXPIRED, blocks=1, complete=False))
+    assert (plan.reason, plan.d_cached) == (Reason.HANDLE_EXPIRED, 4)
+
+
+@pytest.mark.parametrize("missing", [Reason.CONCURRENT_TURN, Reason.PREVIOUS_TURN_FAILED, Reason.PUSH_MODE])
+def test_other_reasons_for_no_handle_stay_full(missing):
+    plan = first_plan(PROMPT, d_claim(missing=missing))
+    assert (plan.kind, plan.reason, plan.d_cached) == (PlanKind.FULL, missing, None)
+
+
+def test_without_events_the_old_rules_apply():
+    assert first_plan(PROMPT, d_claim(blocks=None)) == full(Reason.NO_HANDLE)
+    withh = first_plan(PROMPT, d_claim(handle(19), blocks=None))
+    assert withh.kind is PlanKind.REUSE and withh.d_cached is None and withh.hold
+
+
+def test_a_diverged_prompt_is_not_saved_by_the_cache():
+    plan = from_cache([0] * 22, d_claim(), Reason.NO_HANDLE)
+    assert (plan.kind, plan.reason, plan.d_cached) == (PlanKind.FULL, Reason.PREFIX_DIVERGED, None)
+
+
+def test_with_a_handle_the_events_say_how_much_d_holds():
+    plan = first_plan(PROMPT, d_claim(handle(19), blocks=2))
+    assert plan.kind is PlanKind.REUSE and plan.d_cached == 8
+    held = first_plan(PROMPT, d_claim(handle(19), blocks=4, complete=False))
+    assert held.d_cached == 16                    # partial knowledge, but it holds it all: known
+    lost = first_plan(PROMPT, d_claim(handle(19), blocks=1, complete=False))
+    assert lost.kind is PlanKind.REUSE and lost.d_cached is None    # events lost: the handle's rules decide
+
+
+def test_a_local_turn_without_events_still_asks_d_to_hold():
+    first = plan_with_handle(PROMPT, HELD, handle(19))
+    assert to_local(first, 16).hold and not to_local(_replace(first, d_cached=16), 16).hold
+
+
+def test_p_holding_the_history_by_its_events_reads_nothing_and_pins_nothing():
+    first = plan_with_handle(PROMPT, HELD, handle(19))
+    pair = PairCosts(transfer_tokens_per_s=FAST, prefill_tokens_per_s=PREFILL)
+    known = TurnShape(len(PROMPT), 19, 16, 19, False, p_cache_known=True)
+    plan = by_path(first, PathCosts(pair), known)
+    assert (plan.kind, plan.reason, plan.release, plan.hold) == (PlanKind.FULL, Reason.P_CACHED, first.handle,
+                                                                  False)
+    guessed = by_path(first, PathCosts(pair), _replace(known, p_cache_known=False))
+    assert guessed == first                       # an estimate: decided as if P held none
+
+
+def test_budget_eviction_and_never_kept_are_distinct_reasons():
+    assert len({Reason.EVICTED, Reason.BUDGET_EVICTED, Reason.NEVER_KEPT}) == 3
+    assert Reason.EVICTED.value == "evicted"

@@ -77,6 +77,16 @@ def test_decode_body_keeps_the_clients_request():
     assert body["kv_transfer_params"]["do_remote_prefill"] is True
 
 
+def test_a_local_leg_that_holds_nothing_sends_only_the_pinned_ids():
+    """D's KV events known (issue 36): D is asked for no handle, so it pins nothing and asks no lease (§9)."""
+    held = _json(decode_body(_turn(), None, local=True)["kv_transfer_params"])
+    assert held["do_remote_decode"] is True and held["prompt_token_ids"] == [1, 2, 3]
+    plain = decode_body(_turn(), None, local=True, hold=False)
+    assert _json(plain["kv_transfer_params"]) == {"prompt_token_ids": [1, 2, 3]}
+    completion = decode_body(_turn(endpoint="/v1/completions", body={"prompt": "abc"}), None, local=True, hold=False)
+    assert completion["kv_transfer_params"] == {}
+
+
 def test_completions_send_token_ids_as_prompt():
     body = prefill_body(_turn(endpoint="/v1/completions", body={"prompt": "abc"}), None)
     assert _json(body)["prompt"] == [1, 2, 3] and "prompt_token_ids" not in body["kv_transfer_params"]

@@ -28,11 +28,13 @@ def prefill_body(req: TurnRequest, handle: kv.Handle | None, *, confirm_ids: boo
 
 
 def decode_body(req: TurnRequest, prefill_handle: kv.Handle | None, *, local: bool = False,
-                push: bool = False, pair: PushPair | None = None, stub: bool = False) -> dict[str, Any]:
+                push: bool = False, pair: PushPair | None = None, stub: bool = False,
+                hold: bool = True) -> dict[str, Any]:
     """D's leg: read P's handle (None: D prefills itself); `local`: D alone computes what its prefix cache lacks
     and holds the result for the next turn's reader. `push` (docs/protocol.md §8.2): D waits for the WRITE of
     the pair's P (P's handle is not D's business there), or without a pair computes alone and holds nothing.
-    `stub`: D is proven to use the pinned ids: only the last message is sent."""
+    `stub`: D is proven to use the pinned ids: only the last message is sent. `hold` false: a local D is asked to
+    keep nothing behind a handle."""
     body = dict(_forwarded(req, stub))
     body["return_token_ids"] = True
     pinned = _pinned_ids(req)
@@ -41,7 +43,10 @@ def decode_body(req: TurnRequest, prefill_handle: kv.Handle | None, *, local: bo
         p_id = kv.engine_base_id(req.endpoint, pair.request_id) if pair is not None else ""
         params = kv.push_decode_params(target, pinned, p_id)
     else:
-        params = kv.local_params(pinned) if local else kv.decode_params(prefill_handle, pinned)
+        if local:
+            params = kv.local_params(pinned) if hold else kv.cache_params(pinned)
+        else:
+            params = kv.decode_params(prefill_handle, pinned)
     if params or not push:     # push, D alone on completions: no params at all (vLLM reads {} as none)
         body[kv.WIRE_KEY] = params
     return _with_prompt(req, body)

@@ -110,6 +110,7 @@ class TurnShape:
     p_cached_tokens: int            # the gateway's estimate of P's own prefix-cache hits
     local_allowed: bool             # this turn's D is the holder, and what it would compute is within the bound
     lease_short: bool = False       # ... but the conversation's turns come further apart than D's lease
+    p_cache_known: bool = False     # p_cached_tokens is what P's KV events say P holds, not an estimate
 
 
 @dataclass(frozen=True)

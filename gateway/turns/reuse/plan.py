@@ -49,7 +49,10 @@ class Reason(StrEnum):
     MODEL_CHANGED = "model_changed"
     HANDLE_SHAPE = "handle_shape"
     RECOMPUTE_FASTER = "recompute_faster"           # the cost plan: P computes the history faster than it reads it
-    EVICTED = "evicted"                        # D's pin budget released the handle while the conversation idled
+    EVICTED = "evicted"                        # D dropped the history from its prefix cache (its KV events say so)
+    BUDGET_EVICTED = "budget_evicted"          # D's pin budget released the handle while the conversation idled
+    NEVER_KEPT = "never_kept"                  # the handle was not kept: larger than D's pin budget
+    P_CACHED = "p_cached"                      # P's own prefix cache holds the history (its KV events): no read
     SHORT_SUFFIX = "short_suffix"              # local: the holder D computes the short new suffix itself
     P_PATH_FASTER = "p_path_faster"            # within the local bound, but the cost plan found a P path faster
     LEASE_TOO_SHORT = "lease_too_short"        # within the local bound, but turns come further apart than D's lease
@@ -66,6 +69,10 @@ class Plan:
     instead: Plan | None = None         # local: the P path it replaced, for when D fails
     push: bool = False                  # push mode: P and D legs as one pair (no handle, nothing released)
     verified_tokens: int = 0            # push: the prompt's prefix D computed last turn (continuity-checked)
+    # The verified prefix's tokens the holder D's prefix cache holds, by its KV events (whole blocks); None: not
+    # known (no events, or lost), and the lease/TTL rules apply.
+    d_cached: int | None = None
+    hold: bool = True                   # D is asked to keep the result behind a handle (a later read may come)
 
     @property
     def first_leg(self) -> Leg:
@@ -106,18 +113,48 @@ class Claim:
     held: Fingerprint | None
     same_model: bool
     holder_usable: bool                  # the D holding the KV is known and healthy
+    d_cached_blocks: int | None = None   # leading blocks of `held` the holder's cache holds (KV events); None: unknown
+    d_cache_complete: bool = False       # ... and the events say what it lacks too (none were lost)
+
+
+# No pin behind the history (or none left): D's own prefix cache may still hold it, and its events say so.
+_UNPINNED = frozenset({Reason.NO_HANDLE, Reason.HANDLE_EXPIRED, Reason.BUDGET_EVICTED, Reason.NEVER_KEPT,
+                       Reason.HANDLE_NOT_STREAMED})
 
 
 def first_plan(prompt: list[int], claim: Claim) -> Plan:
     if claim.first_turn:
         return full(Reason.FIRST_TURN)
     if claim.handle is None or claim.held is None:
-        return full(claim.missing or Reason.NO_HANDLE)
+        return from_cache(prompt, claim, claim.missing or Reason.NO_HANDLE)
     if not claim.holder_usable:
         return full(Reason.DECODE_UNAVAILABLE)     # nobody left to read from or to release through
     if not claim.same_model:
         return full(Reason.MODEL_CHANGED, release=claim.handle)
-    return plan_with_handle(prompt, claim.held, claim.handle)
+    plan = plan_with_handle(prompt, claim.held, claim.handle)
+    if plan.handle is None or claim.d_cached_blocks is None:
+        return plan
+    verified = plan.reused_tokens // claim.held.block_size
+    if claim.d_cached_blocks < verified and not claim.d_cache_complete:
+        return plan        # events were lost: the index may lack what the handle pins; the lease rules decide
+    return replace(plan, d_cached=min(verified, claim.d_cached_blocks) * claim.held.block_size)
+
+
+def from_cache(prompt: list[int], claim: Claim, missing: Reason) -> Plan:
+    """No handle: a full prefill, unless the holder D's KV events say its prefix cache still holds the verified
+    history (pinned or not, lease or not): the plan then carries how much (`d_cached`) and the path choice may
+    send the turn local. Where the events are complete and D lacks part of it, D evicted it: `evicted`."""
+    held = claim.held
+    if (held is None or claim.d_cached_blocks is None or missing not in _UNPINNED or not claim.holder_usable
+            or not claim.same_model):
+        return full(missing)
+    verdict = check(prompt, held, partial_allowed=True)
+    if verdict.kind == "full":
+        return full(Reason(verdict.reason))
+    verified = verdict.reused_tokens // held.block_size
+    cached = min(verified, claim.d_cached_blocks)
+    reason = Reason.EVICTED if claim.d_cache_complete and cached < verified else missing
+    return replace(full(reason), d_cached=cached * held.block_size)
 
 
 # -- which path pays (issues 17 and 24) ---------------------------------------------------------------------
@@ -128,14 +165,24 @@ def local_hit(plan: Plan, prompt_tokens: int, block_size: int) -> int:
 
 
 def to_local(plan: Plan, hit_tokens: int) -> Plan:
-    """The P-path plan as a local one: D alone, its cache holding `hit_tokens` of the prompt."""
-    return Plan(PlanKind.LOCAL, Reason.SHORT_SUFFIX, hit_tokens, plan.handle, instead=plan, push=plan.push)
+    """The P-path plan as a local one: D alone, its cache holding `hit_tokens` of the prompt. Where D's events
+    are known, D is asked to hold nothing (no producer lease): the next turn finds the KV by the events too, and
+    a pin is asked for only where the plan expects P to read D's KV."""
+    return Plan(PlanKind.LOCAL, Reason.SHORT_SUFFIX, hit_tokens, plan.handle, instead=plan, push=plan.push,
+                d_cached=plan.d_cached, hold=plan.d_cached is None)
+
+
+def may_go_local(plan: Plan) -> bool:
+    """A plan the path choice may turn local: it holds a handle, or D's events say what D's cache holds."""
+    return plan.handle is not None or (plan.d_cached is not None and not plan.push)
 
 
 def by_shape(plan: Plan, shape: TurnShape) -> Plan:
     """`reuse_policy: always`: the local path wherever it is allowed, else P reads D's KV."""
-    if plan.handle is None:
+    if not may_go_local(plan):
         return plan
+    if plan.handle is None:
+        return to_local(plan, shape.local_hit_tokens) if shape.local_allowed else plan
     if shape.local_allowed:
         return to_local(plan, shape.local_hit_tokens)
     return replace(plan, reason=Reason.LEASE_TOO_SHORT) if shape.lease_short else plan
@@ -145,16 +192,23 @@ def by_path(plan: Plan, costs: PathCosts, shape: TurnShape) -> Plan:
     """The first plan on the cheapest of the three paths (`cost.choose_path`): local (D computes what its cache
     lacks; the claimed handle is kept, unread, and released once D has answered), P reading D's KV (the plan as
     it is), or P recomputing (no handle: it is released). Until a rate is known the handle is kept: the short
-    suffix goes local, a longer one to P, which reads, and the rates are learned."""
-    if plan.handle is None:
+    suffix goes local, a longer one to P, which reads, and the rates are learned. P's KV events saying P's own
+    cache holds the history: a read saves nothing, so no handle (`p_cached`), and D holds nothing for a read."""
+    if not may_go_local(plan):
         return plan
     # P's cache expected to hold it all: P then loads nothing either way, so decide for the case where the
-    # estimate is wrong (prefix caching off, evicted), in which P lacks the whole history.
-    if shape.p_cached_tokens >= plan.reused_tokens:
+    # estimate is wrong (prefix caching off, evicted), in which P lacks the whole history. Known from P's
+    # events, it is no estimate.
+    p_has_all = plan.reused_tokens > 0 and shape.p_cached_tokens >= plan.reused_tokens
+    if p_has_all and not shape.p_cache_known:
         shape = replace(shape, p_cached_tokens=0)
     decision = choose_path(costs, shape)
     if decision.path is Path.LOCAL:
         return to_local(plan, shape.local_hit_tokens)
+    if plan.handle is None:
+        return plan
+    if p_has_all and shape.p_cache_known:
+        return replace(full(Reason.P_CACHED, release=plan.handle), hold=False)
     if decision.path is Path.RECOMPUTE and decision.reason is not CostReason.NOTHING_TO_REUSE:
         return full(Reason.RECOMPUTE_FASTER, release=plan.handle)
     if decision.reason is CostReason.P_PATH_FASTER:

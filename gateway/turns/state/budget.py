@@ -15,7 +15,9 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
-EVICTED = "evicted"   # reason code of a turn whose handle the budget released; label of the released counter
+EVICTED = "evicted"   # label of the released counter for a handle the budget released
+BUDGET_EVICTED = "budget_evicted"   # the reason code of the next turn of a conversation whose handle it released
+NEVER_KEPT = "never_kept"           # ... of one whose handle it never kept (larger than the budget)
 OFF = 0.0             # decode_pin_budget 0: no budget, handles live until D's TTL
 
 

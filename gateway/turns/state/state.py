@@ -13,6 +13,7 @@ import msgspec
 
 from gateway.config import DEFAULT_TENANT, Settings
 from gateway.engines import kv
+from gateway.engines.cache_index import Knowledge
 from gateway.engines.pool import EnginePool
 from gateway.store import Answer, Conversation, ConversationKey, ConversationStore, StoreUnavailableError, TurnStart
 from gateway.telemetry import Metrics
@@ -25,7 +26,7 @@ from gateway.turns.reuse.continuity import HASH_BYTES, Fingerprint, held_fingerp
 from gateway.turns.reuse.lookup import How
 from gateway.turns.reuse.plan import Claim, Plan, Reason
 from gateway.turns.state.ahead import ClaimAhead, PutBacks
-from gateway.turns.state.budget import EVICTED
+from gateway.turns.state.budget import NEVER_KEPT
 from gateway.turns.state.pinning import Pinning
 from gateway.turns.state.pins import PinLedger
 from gateway.turns.state.sessionless import ConversationFinder, Found
@@ -33,7 +34,7 @@ from gateway.turns.state.timing import timed
 
 log = logging.getLogger("gateway.turn")
 _NO_HANDLE_REASONS = {"expired": Reason.HANDLE_EXPIRED, "in_flight": Reason.CONCURRENT_TURN,
-                      "evicted": Reason.EVICTED}
+                      "evicted": Reason.BUDGET_EVICTED}
 
 
 @dataclass(frozen=True)
@@ -100,8 +101,12 @@ class ConversationState:
         handle = kv.from_store(start.handle) if start.handle_state == "claimed" else None
         missing = None if handle else (_NO_HANDLE_REASONS.get(start.handle_state) or _missing_reason(record))
         holder = self.decode_pool.get(record.decode_engine)
-        return Claim(False, handle, missing, fingerprint(record), record.model == req.model,
-                     holder is not None and holder.healthy)
+        held = fingerprint(record)
+        cache = holder.cache if holder is not None else None
+        known = cache is not None and cache.knowledge is not Knowledge.UNKNOWN and held is not None
+        return Claim(False, handle, missing, held, record.model == req.model, holder is not None and holder.healthy,
+                     d_cached_blocks=cache.leading(held.block_hashes, held.block_size) if known else None,
+                     d_cache_complete=known and cache.knowledge is Knowledge.COMPLETE)
 
     # -- finish --------------------------------------------------------------------------------------------
     async def record(self, req: TurnRequest, session: ConversationKey | None, start: TurnStart | None,
@@ -109,6 +114,9 @@ class ConversationState:
         """Store what D now holds (the turn still owns the conversation's counter), else release D's handle."""
         leased = capture.handle is not None and capture.handle.leased      # before the flags are D's own
         handle = self._verified_handle(capture)
+        if handle and not plan.hold:        # the plan expects no read of D's KV: no pin (P's cache holds it)
+            self.releaser.release(handle, "unused")
+            handle = None
         if session is not None:
             self.pins.spent(session, plan.reused_tokens)   # the claimed handle, if any, was read or released
         if session is None or start is None or not capture.finished:
@@ -120,13 +128,13 @@ class ConversationState:
         handle, victims, turned_away = self.pins.admit(session, served.decode, handle, now)
         previous = start.record
         num_tokens, held = held_fingerprint(      # hashes only the blocks the plan did not verify
-            req.prompt_ids, capture.prompt_ids, capture.output_ids, _held_tokens(handle, plan, capture),
+            req.prompt_ids, capture.prompt_ids, capture.output_ids, _held_tokens(handle, plan, capture, turned_away),
             self.block_size, previous=fingerprint(previous), verified_tokens=plan.reused_tokens)
         record = Conversation(
             decode_engine=served.decode, prefill_engine=served.prefill, model=req.model,
             block_size=self.block_size, num_tokens=num_tokens, held_tokens=held.held_tokens,
             block_hashes=held.block_hashes, prefix_hash=held.prefix_hash,
-            handle_note="" if handle else (EVICTED if turned_away else _missing_note(req, capture, plan)),
+            handle_note="" if handle else (NEVER_KEPT if turned_away else _missing_note(req, capture, plan)),
             answers=self._answers(req, start, capture), created_at=previous.created_at if previous else now,
             updated_at=now)
         try:
@@ -207,17 +215,21 @@ def _missing_reason(record: Conversation) -> Reason:
 
 
 def _missing_note(req: TurnRequest, capture: DecodeCapture, plan: Plan) -> str:
+    if not plan.hold:
+        return ""                              # none asked for: D's cache and its events carry the next turn
     if plan.push:
         return Reason.PUSH_MODE.value          # D never returns a handle in push mode (docs/protocol.md §8.2)
     return Reason.HANDLE_NOT_STREAMED.value if req.stream and capture.finished else ""
 
 
-def _held_tokens(handle: kv.Handle | None, plan: Plan, capture: DecodeCapture) -> int:
-    """The tokens of D's KV the next turn may count on: what the handle holds; in push mode, with no handle, what
-    D computed or was written (prompt + output - 1), which only its prefix cache may still hold (nothing pins it:
-    the local path's bet, docs/protocol.md §8.2)."""
+def _held_tokens(handle: kv.Handle | None, plan: Plan, capture: DecodeCapture, turned_away: bool = False) -> int:
+    """The tokens of D's KV the next turn may count on: what the handle holds; with no handle (push mode, a plan
+    that asked D to hold nothing, a handle the pin budget turned away), what D computed or was written (prompt +
+    output - 1), which only its prefix cache may still hold (nothing pins it: the local path's bet, found by D's
+    KV events or, in push mode, docs/protocol.md §8.2)."""
     if handle is not None:
         return handle.num_tokens or 0
-    if not plan.push or capture.prompt_ids is None or not capture.output_ids_seen:
+    unpinned = plan.push or not plan.hold or turned_away
+    if not unpinned or capture.prompt_ids is None or not capture.output_ids_seen:
         return 0
     return max(0, len(capture.prompt_ids) + len(capture.output_ids) - 1)

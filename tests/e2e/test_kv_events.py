@@ -1,0 +1,89 @@
+"""What D holds, known from its KV events (issue 36): the gateway subscribes to each sim's events (a real ZMQ
+socket on loopback) and plans a later turn local wherever D's cache still holds the verified history, with no
+pin and no lease; when D evicts a conversation, the next turn is not sent local from stale knowledge but named
+`evicted`. Every answer equals a co-located engine's, and the oracle checks every KV slot used."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+import uuid
+
+import pytest
+
+from tests.e2e.chat import Chat
+from tests.e2e.stack import stack
+from tests.e2e.test_local_path import topic, totals
+
+pytestmark = pytest.mark.integration
+BLOCK = 16
+ADMIN_KEY = "events-admin"
+
+
+def kv_events(pd) -> dict[str, dict]:
+    request = urllib.request.Request(pd.gateway.url + "/admin/engines",
+                                     headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        return {e["url"]: e.get("kv_events") for e in json.loads(resp.read())["engines"]}
+
+
+@pytest.fixture(scope="module")
+def pd():
+    # D small: 48 blocks of 16 tokens; its pin budget half of them, so other conversations push a history out
+    with stack(sim=["--output-tokens", "60:80"], decode=["--stream-kv-params", "--num-blocks", "48"], local=True,
+               kv_events=True, gateway=["--admin-key", ADMIN_KEY]) as s:
+        yield s
+
+
+def test_later_turns_go_local_from_d_s_cache_with_no_pin_and_no_lease(pd):
+    chat = Chat(pd, uuid.uuid4().hex)
+    for i in range(4):
+        turn = chat.say(topic(i), stream=i % 2 == 1)
+        assert turn.text == turn.expected, f"turn {i + 1} differs from a single engine"
+        if i:
+            previous = chat.turns[i - 1]
+            assert (turn.plan, turn.reason) == ("local", "short_suffix"), (i, turn.plan, turn.reason)
+            held = previous.prompt_tokens + previous.completion_tokens - 1
+            assert turn.reused == held // BLOCK * BLOCK
+    # the first turn's pin goes once D's next request holds the blocks; local turns asked D to hold nothing
+    pd.wait_until(lambda: totals(pd, pd.decode, "handles_pinned") + totals(pd, pd.decode, "handles_leased_now")
+                  == 0)
+    assert pd.total("kv_reads_corrupt") == 0
+    assert pd.metric("pdgw_handles_missing_total", reason="handle_not_streamed") == 0   # none was asked for
+    seen = kv_events(pd)
+    for engine in pd.prefill + pd.decode:   # every engine's events decoded, none lost, blocks indexed
+        assert seen[engine.url]["knowledge"] == "complete" and seen[engine.url]["blocks"] > 0, seen
+        assert seen[engine.url]["block_size"] == BLOCK and seen[engine.url]["gaps"] == 0
+        pool = "prefill" if engine in pd.prefill else "decode"
+        assert pd.metric("pdgw_kv_events_knowledge", pool=pool, engine=engine.url, knowledge="complete") == 1
+        assert pd.metric("pdgw_kv_events_cached_blocks", pool=pool, engine=engine.url) > 0
+
+
+def test_sessionless_turns_still_ask_d_to_hold_so_the_next_one_finds_them(pd):
+    """A conversation found by its tokens is found through a live handle: its local turns keep asking D for one.
+    (Before the eviction test: that one leaves D's pin budget full, and a handle turned away is not found.)"""
+    messages = [{"role": "user", "content": topic(40)}]
+    client = pd.client()
+    plans = []
+    for i in range(1, 4):
+        raw = client.chat.completions.with_raw_response.create(model="demo", messages=messages, max_tokens=100)
+        out = raw.parse()
+        plans.append((raw.headers["x-pd-plan"], raw.headers["x-pd-conversation"]))
+        messages += [{"role": "assistant", "content": out.choices[0].message.content},
+                     {"role": "user", "content": topic(40 + i)}]
+    assert plans[1:] == [("local", "prefix"), ("local", "prefix")], plans
+
+def test_a_conversation_d_evicted_is_not_planned_local_from_stale_knowledge(pd):
+    chat = Chat(pd, uuid.uuid4().hex)
+    chat.say(topic(0))
+    assert chat.say(topic(1)).plan == "local"           # D's cache holds it, nothing pins it now
+    for i in range(8):                                  # others fill D's 48 blocks: the history is evicted
+        Chat(pd, uuid.uuid4().hex).say(topic(10 + i))
+    d = pd.decode[0]                                    # every batch D sent (its BlockRemoved) reached the gateway
+    pd.wait_until(lambda: kv_events(pd)[d.url]["last_seq"] == pd.stats(d)["kv_event_batches"] - 1)
+    turn = chat.say(topic(2))
+    assert (turn.plan, turn.reason) == ("full", "evicted")
+    assert turn.text == turn.expected
+    assert pd.metric("pdgw_turns_total", plan="full", reason="evicted") >= 1
+    assert pd.total("kv_reads_corrupt") == 0
+
