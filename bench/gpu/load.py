@@ -16,6 +16,7 @@ logprobs and judged by gateway/verify/distance.py against C's own noise floor.
         --points chat:c8,chat:c64,long:c32,agent:c16 --duration-s 30 --out DIR   # any deployment
     python bench/gpu/load.py --sim [--quick | --smoke]    # the same on timed simulators started here
     python bench/gpu/load.py --report DIR                  # the markdown and PNG again from DIR/load.json
+    python bench/gpu/load.py --sim --faults [--smoke]      # D killed, P killed, D at KV capacity (loadfaults.py)
 Last line: `gpuload: later_p50_vs_coloc= later_p99_vs_coloc= itl_p99_vs_coloc= goodput_vs_coloc=
 goodput_vs_stateless= reuse= errors= flagged=` (the worst point for each ratio).
 """
@@ -84,7 +85,7 @@ def run_arm(arm: str, url: str, engines: list[str], point: Point, args: argparse
     after = engine_counts(engines)
     row["engines"] = {k: after[k] - before[k] for k in after}
     if arm == stats.GATEWAY:
-        dropped = drop_conversations(url, {f"{tag}-{t.conv}" for t in turns})
+        dropped = drop_conversations(url, {t.session for t in turns if t.session})
         time.sleep(2)                 # releases go through P: let them land before D's usage is read
         row["engines"]["kv_usage_after"] = round(kv_usage(engines), 4)
         row["dropped"] = dropped
@@ -194,6 +195,7 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--sim", action="store_true", help="start timed simulators, gateways and vllm-router here")
     ap.add_argument("--quick", action="store_true", help="with --sim: a few minutes")
     ap.add_argument("--smoke", action="store_true", help="with --sim: the CI size (about 2 minutes)")
+    ap.add_argument("--faults", action="store_true", help="with --sim: the faults step (bench/gpu/loadfaults.py)")
     ap.add_argument("--report", metavar="DIR", help="only rewrite DIR/load.md and DIR/load.png from DIR/load.json")
     args = ap.parse_args(argv)
     if args.report:
@@ -201,6 +203,15 @@ def main(argv: list[str] | None = None) -> str:
         result.setdefault("summary", stats.summary_line(result["points"], result.get("judge", {}).get("flagged", 0)))
         report(result, args.report)
         return result["summary"]
+    if args.sim and args.faults:
+        from loadfaults import run_faults
+        line = run_faults(args)
+        if args.out != "-":
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "faults.json").write_text(json.dumps({"phases": args.faults_rows, "summary": line},
+                                                                   indent=1))
+        print(line, flush=True)
+        return line
     if args.sim:
         from loadsim import run_on_sims
         result = run_on_sims(args, run)

@@ -26,6 +26,7 @@ except ImportError:                            # imported as bench.gpu.loadclien
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 TOP_K = 20
+ERROR_PAUSE_S = 1.0
 SAMPLE_EVERY = 20          # 1 in 20 later turns asks for logprobs and its prompt ids, replayed on C afterwards
 
 
@@ -44,7 +45,9 @@ class Turn:
     plan: str = ""
     reason: str = ""
     reused: int = 0
+    session: str = ""                       # the gateway's name for the conversation (X-PD-Session, else ours)
     error: str = ""
+    error_kind: str = ""                    # "openai" (an error object, HTTP or SSE), "hung" (past the timeout), "other"
     sample: dict[str, Any] | None = None    # prompt ids and the first token's top-k, on sampled turns
 
     @property
@@ -110,6 +113,7 @@ class Client:
             text = await self._turn(http, conv, answer, sampled, turn)
             out.append(turn)
             if not turn.ok:
+                await asyncio.sleep(ERROR_PAUSE_S)      # a user retries later, not in a tight loop
                 return
             conv.answered(text, turn.output_tokens)
             await asyncio.sleep(conv.think_s())
@@ -132,16 +136,19 @@ class Client:
                 h = r.headers
                 turn.plan, turn.reason = h.get("x-pd-plan", ""), h.get("x-pd-reason", "")
                 turn.reused = int(h.get("x-pd-reused-tokens", 0) or 0)
+                turn.session = h.get("x-pd-session", conv.tag)
                 if r.status != 200:
-                    turn.error = f"HTTP {r.status}: {(await r.read())[:200]!r}"
+                    raw = await r.read()
+                    turn.error, turn.error_kind = f"HTTP {r.status}: {raw[:200]!r}", _kind(raw)
                     return ""
                 await self._read(r, t0, turn, pieces, sampled)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             turn.error = f"{type(exc).__name__}: {exc}"[:200]
+            turn.error_kind = "hung" if isinstance(exc, asyncio.TimeoutError) else "other"
         turn.total_s = time.perf_counter() - t0
         turn.ok = not turn.error and turn.ttft_s > 0
         if not turn.error and not turn.ok:
-            turn.error = "no content streamed"
+            turn.error, turn.error_kind = "no content streamed", "other"
         return "".join(pieces)
 
     async def _read(self, r: aiohttp.ClientResponse, t0: float, turn: Turn, pieces: list[str],
@@ -152,7 +159,7 @@ class Client:
                 continue
             chunk = _decode(line[5:].strip())
             if "error" in chunk:
-                turn.error = str(chunk["error"])[:200]
+                turn.error, turn.error_kind = str(chunk["error"])[:200], "openai"
                 continue
             if sampled and turn.sample is None and chunk.get("prompt_token_ids"):
                 turn.sample = {"prompt_ids": chunk["prompt_token_ids"]}
@@ -174,3 +181,11 @@ class Client:
                 turn.prompt_tokens = usage.get("prompt_tokens", 0)
                 turn.output_tokens = usage.get("completion_tokens", 0)
                 turn.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def _kind(body: bytes) -> str:
+    """An HTTP error's body: the API's error object, or anything else (a stack trace, a proxy's page)."""
+    try:
+        return "openai" if isinstance(err := _decode(body).get("error"), dict) and err.get("message") else "other"
+    except (msgspec.DecodeError, AttributeError):
+        return "other"

@@ -2,6 +2,12 @@
 with engines that spend an H200's time (bench/local.py's timing: prefill 50k tokens/s, an 8 ms decode step
 shared by the running requests, KV moved at 0.05 ms a block plus 40 ms a read) and queue on full KV as vLLM does.
 
+The stateless arm gets its own P and D started without bidirectional transfer: a bidirectional D pins every
+request that carries `kv_transfer_params` for its decoder_kv_blocks_ttl (480 s on the simulator; docs/protocol.md),
+vllm-router's stateless turns too, which filled the shared D and stalled that arm in the first sim runs; a user
+of stateless PD runs engines that pin nothing. (The H200 run shares P and D, with a 120 s TTL: there the stateless
+arm runs last.)
+
 Sizes: workload lengths x `--scale`, D's KV in blocks of 16 tokens; the co-located arm gets P's and D's blocks
 together, each of the two co-located engines one engine's. `--smoke` is CI's (about two minutes on two cores),
 `--quick` a developer's (a few minutes); without either, the GPU quick points at a quarter of the lengths.
@@ -34,24 +40,27 @@ def run_on_sims(args: argparse.Namespace, run: Callable[..., dict[str, Any]]) ->
     args.turn_timeout_s = min(args.turn_timeout_s, 60.0)
     flags = [*ENGINE, *TIMING]
     with Servers() as s:
-        p, d, c, c1, c2 = s.sims([
+        p, d, c, c1, c2, p0, d0 = s.sims([
             ("prefill", "load-p", [*flags, "--num-blocks", str(blocks)]),
             ("decode", "load-d", [*flags, "--num-blocks", str(blocks)]),
             ("colocated", "load-c", [*flags, "--num-blocks", str(2 * blocks)]),
             ("colocated", "load-c1", [*flags, "--num-blocks", str(blocks)]),
-            ("colocated", "load-c2", [*flags, "--num-blocks", str(blocks)])])
+            ("colocated", "load-c2", [*flags, "--num-blocks", str(blocks)]),
+            ("prefill", "load-p0", [*flags, "--num-blocks", str(blocks), "--no-bidirectional"]),
+            ("decode", "load-d0", [*flags, "--num-blocks", str(blocks), "--no-bidirectional"])])
         gateway = s.gateways([([p], [d], ["--reuse-policy", "cost", "--local-prefill-max-tokens",
                                           str(DEFAULT_LOCAL_PREFILL_MAX_TOKENS)])])[0]
-        stateless = s.router([p], [d])
+        stateless = s.router([p0], [d0])
         pair = s.router_workers([c1, c2], policy="cache_aware")
         urls = {stats.GATEWAY: gateway.url, stats.STATELESS: stateless.url, stats.COLOC: c.url,
                 stats.COLOC2: pair.url}
-        engines = {stats.GATEWAY: [p.url, d.url], stats.STATELESS: [p.url, d.url], stats.COLOC: [c.url],
+        engines = {stats.GATEWAY: [p.url, d.url], stats.STATELESS: [p0.url, d0.url], stats.COLOC: [c.url],
                    stats.COLOC2: [c1.url, c2.url]}
         note = (f"timed simulators ({' '.join(TIMING)}, batched steps), D {blocks} blocks of 16, lengths x{scale}, "
-                f"gateway: defaults (the flags bench/servers.py sets restored)")
+                f"gateway: defaults (the flags bench/servers.py sets restored); stateless PD on its own P and D "
+                f"without bidirectional transfer")
         result = run(args, urls, engines, note)
-        oracle = [get_json(e.url + "/sim/stats") for e in (p, d, c, c1, c2)]
+        oracle = [get_json(e.url + "/sim/stats") for e in (p, d, c, c1, c2, p0, d0)]
         result["corrupt"] = sum(o["kv_reads_corrupt"] for o in oracle)
         result["summary"] += f" corrupt={result['corrupt']}"      # the simulators' oracle: blocks of wrong KV read
         return result

@@ -35,3 +35,21 @@ def test_load_smoke(tmp_path):
             assert row["turns"] > point["concurrency"], (point["point"], arm)
             assert row["errors"] == 0, (point["point"], arm, row["error_kinds"])
     assert (tmp_path / "load.md").exists() and (tmp_path / "load.png").exists()
+
+
+FAULTS = re.compile(r"^faults: turns=(\d+) answered=(\d+) openai_errors=(\d+) other_errors=(\d+) hung=(\d+) "
+                    r"recovery_s=(\S+) corrupt=(\d+) kv_leaked=(\S+)$")
+
+
+def test_faults_smoke(tmp_path):
+    """D killed and restarted, P killed and restarted, D at KV capacity, under load: every turn an answer or an
+    OpenAI error, none hung, service back within a few health intervals, no wrong KV read."""
+    m = FAULTS.match(load.main(["--sim", "--faults", "--smoke", "--out", str(tmp_path)]))
+    assert m, "summary line"
+    turns, answered, openai, other, hung = (int(m.group(i)) for i in range(1, 6))
+    assert answered + openai == turns and other == 0 and hung == 0
+    assert m.group(7) == "0"
+    phases = {p["phase"]: p for p in json.loads((tmp_path / "faults.json").read_text())["phases"]}
+    for killed in ("d_killed", "p_killed"):
+        assert phases[killed]["recovery_s"] is not None and phases[killed]["recovery_s"] < 15, phases[killed]
+    assert phases["d_at_capacity"]["openai_errors"] == 0
