@@ -26,6 +26,7 @@ install() {
   tar -xJf .gpu/p1/nixl.tar.xz -C /tmp/site
   pip_into /tmp/site .gpu/p1/whl/v/*.whl
   pip_into /tmp/gwsite .gpu/p1/whl/g/*.whl
+  pip_into /tmp/gwsite .gpu/p1/whl/v/pyzmq-*.whl        # the gateway's KV-events subscriber (engines/kv_events.py)
   rm -rf /tmp/stubs && cp -r .gpu/p1/kit/stubs /tmp/stubs
   PYTHONPATH=/tmp/gwsite:$ROOT python3 -c "import gateway.app; print('gateway imports')" 2>&1 | tail -1
   rm -f /tmp/model.done
