@@ -145,10 +145,11 @@ def run(args: argparse.Namespace, urls: dict[str, str], engines: dict[str, list[
             result["points"] = [{"point": p.name, "workload": p.workload, "concurrency": p.concurrency,
                                  "rate": p.rate, "arms": rows[p.name], "ratios": stats.ratios(rows[p.name]),
                                  "note": point_note(p)} for p in points]
-            result["summary"] = stats.summary_line(result["points"], 0)     # so far: a cut run still reports
+            result["summary"] = stats.summary_line(result["points"], result.get("judge", {}).get("flagged", 0))
             save(result, args.out)
-    if samples and stats.COLOC in urls:
-        result["judge"] = judge(samples, engines.get(stats.COLOC, [urls[stats.COLOC]])[0], args.model)
+        if samples and stats.COLOC in urls and "judge" not in result:   # C idle now: replayed before its own arm
+            result["judge"] = judge(samples, engines.get(stats.COLOC, [urls[stats.COLOC]])[0], args.model)
+            print(f"judge: {result['judge']}", flush=True)
     result["summary"] = stats.summary_line(result["points"], result.get("judge", {}).get("flagged", 0))
     save(result, args.out)
     return result
