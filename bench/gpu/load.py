@@ -47,6 +47,7 @@ from loadwork import SHAPES  # noqa: E402
 # decoder_kv_blocks_ttl (a bidirectional D pins every request that carries kv_transfer_params, docs/protocol.md),
 # so that arm runs last and its pins burden only itself; the gateway's conversations are dropped after each point.
 ARMS = (stats.GATEWAY, stats.COLOC, stats.COLOC2, stats.STATELESS)
+ADMIN_KEY = "pdgw-bench-admin"     # the bench's gateways' --admin-key (serve.sh, loadsim.py): conversations dropped
 ENGINE_COUNTERS = {"preemptions": "vllm:num_preemptions_total", "nixl_failed": "vllm:nixl_num_failed_transfers_total",
                    "kv_expired": "vllm:nixl_num_kv_expired_reqs_total"}
 
@@ -85,7 +86,7 @@ def run_arm(arm: str, url: str, engines: list[str], point: Point, args: argparse
     after = engine_counts(engines)
     row["engines"] = {k: after[k] - before[k] for k in after}
     if arm == stats.GATEWAY:
-        dropped = drop_conversations(url, {t.session for t in turns if t.session})
+        dropped = drop_conversations(url, {t.session for t in turns if t.session}, args.admin_key)
         time.sleep(2)                 # releases go through P: let them land before D's usage is read
         row["engines"]["kv_usage_after"] = round(kv_usage(engines), 4)
         row["dropped"] = dropped
@@ -95,12 +96,14 @@ def run_arm(arm: str, url: str, engines: list[str], point: Point, args: argparse
     return row, [t for t in turns if t.sample and "top" in t.sample]
 
 
-def drop_conversations(url: str, sessions: set[str]) -> int:
+def drop_conversations(url: str, sessions: set[str], admin_key: str = ADMIN_KEY) -> int:
     """DELETE /admin/conversations/ID for each: D's handles released, so the next point starts with D's KV free."""
+    import urllib.parse
     import urllib.request
     n = 0
-    for s in sessions:
-        req = urllib.request.Request(f"{url.rstrip('/')}/admin/conversations/{s}", method="DELETE")
+    for s in sessions:       # X-PD-Session's id holds a '#' (scoped by the conversation's head): percent-encoded
+        req = urllib.request.Request(f"{url.rstrip('/')}/admin/conversations/{urllib.parse.quote(s, safe='')}",
+                                     method="DELETE", headers={"Authorization": f"Bearer {admin_key}"})
         try:
             urllib.request.urlopen(req, timeout=10).read()
             n += 1
@@ -111,14 +114,18 @@ def drop_conversations(url: str, sessions: set[str]) -> int:
 
 def judge(samples: list, coloc: str, model: str) -> dict[str, Any]:
     """Each sampled turn's prompt on C alone (a fresh cache_salt: computed from scratch) against the gateway's first
-    token distribution; C against itself (its prefix cache on) is the noise floor."""
+    token distribution. The noise floor is C against itself on its other path: the same prompt asked twice without
+    a salt, the second time from C's own prefix cache (as the gateway's later turns are served from cached or
+    transferred KV). bf16 rounds the two paths apart (bench/GPU-RESULTS.md: up to 1.47); wrong KV moves it by 6+."""
     from gateway.verify import distance as lp
     records = []
     for t in samples:
         body = {"model": model, "prompt": t.sample["prompt_ids"], "max_tokens": 1, "temperature": 0,
                 "logprobs": 20, "return_tokens_as_token_ids": True}
         _, _, ref = wire.post(coloc, "/v1/completions", {**body, "cache_salt": uuid.uuid4().hex})
-        _, _, again = wire.post(coloc, "/v1/completions", body)
+        salt = {"cache_salt": uuid.uuid4().hex}
+        wire.post(coloc, "/v1/completions", {**body, **salt})                  # computed, and cached
+        _, _, again = wire.post(coloc, "/v1/completions", {**body, **salt})   # from C's prefix cache
         try:
             ref_top = lp.from_completion(ref)
             got = {lp.token_key(k): float(v) for k, v in t.sample["top"].items()}
@@ -147,8 +154,9 @@ def run(args: argparse.Namespace, urls: dict[str, str], engines: dict[str, list[
                                  "note": point_note(p)} for p in points]
             result["summary"] = stats.summary_line(result["points"], result.get("judge", {}).get("flagged", 0))
             save(result, args.out)
-        if samples and stats.COLOC in urls and "judge" not in result:   # C idle now: replayed before its own arm
-            result["judge"] = judge(samples, engines.get(stats.COLOC, [urls[stats.COLOC]])[0], args.model)
+        coloc = engines.get(stats.COLOC) or [urls.get(stats.COLOC)]
+        if samples and coloc[0] and "judge" not in result:   # C idle now: replayed before its own arm
+            result["judge"] = judge(samples, coloc[0], args.model)
             print(f"judge: {result['judge']}", flush=True)
     result["summary"] = stats.summary_line(result["points"], result.get("judge", {}).get("flagged", 0))
     save(result, args.out)
@@ -183,6 +191,8 @@ def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for arm in ARMS:
         ap.add_argument(f"--{arm}", help=f"base URL of the {stats.LABELS[arm]} arm")
+    ap.add_argument("--admin-key", default=ADMIN_KEY, help="the gateway's admin key (its conversations dropped)")
+    ap.add_argument("--only", help="ARM[,ARM]: run only these of the arms given")
     ap.add_argument("--engines", action="append", default=[], help="ARM=URL,URL: the engines whose /metrics count")
     ap.add_argument("--points", default="chat:c8,chat:c64,long:c32,agent:c16")
     ap.add_argument("--duration-s", type=float, default=60.0, help="per arm and point: no new turn after this")
@@ -217,7 +227,7 @@ def main(argv: list[str] | None = None) -> str:
         from loadsim import run_on_sims
         result = run_on_sims(args, run)
     else:
-        urls = {a: getattr(args, a) for a in ARMS if getattr(args, a)}
+        urls = {a: getattr(args, a) for a in ARMS if getattr(args, a) and (not args.only or a in args.only)}
         engines = {k: v.split(",") for k, _, v in (e.partition("=") for e in args.engines)}
         result = run(args, urls, engines, "a deployment's URLs")
     if args.out != "-":

@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 import loadstats as stats
-from load import drop_conversations, kv_usage
+from load import ADMIN_KEY, drop_conversations, kv_usage
 from loadclient import Client, Point
 from loadwork import SHAPES
 
@@ -54,7 +54,8 @@ def phase(name: str, blocks: int, kill: str | None, duration_s: float, scale: fl
         p, d = s.sims([("prefill", f"f-p-{name}", [*FLAGS, "--num-blocks", "6000"]),
                        ("decode", f"f-d-{name}", [*FLAGS, "--num-blocks", str(blocks)])])
         gw = s.gateways([([p], [d], ["--reuse-policy", "cost", "--local-prefill-max-tokens", "8192",
-                                     "--decode-kv-lease-s", str(LEASE_S), "--health-interval-s", "1"])])[0]
+                                     "--decode-kv-lease-s", str(LEASE_S), "--health-interval-s", "1",
+                                     "--admin-key", ADMIN_KEY])])[0]
         log: dict[str, float] = {}
         began = time.perf_counter()
         killer = _restart(s, {"D": d, "P": p}[kill], duration_s / 4, log) if kill else None

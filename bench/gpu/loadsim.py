@@ -19,6 +19,7 @@ import argparse
 from typing import Any, Callable
 
 import loadstats as stats
+from load import ADMIN_KEY
 from bench.local import TIMING
 from bench.servers import Servers, get_json
 
@@ -30,6 +31,10 @@ SIZES = {   # (scale, points, seconds per arm, think scale, D's blocks)
     "full": (0.25, "chat:c8,chat:c32,chat:c64,long:c16,agent:c16", 40.0, 0.1, 6000),
 }
 ENGINE = ["--stream-kv-params", "--max-model-len", "65536", "--batched-steps"]
+# P and D publish their KV events (docs/protocol.md §10) and the gateway subscribes: the deployment docs/operations.md
+# recommends, and the one the H200 run has (serve.sh KV_EVENTS=1)
+EVENTS = ["--kv-events-config", '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://127.0.0.1:*",'
+          '"topic":"kv"}']
 
 
 def run_on_sims(args: argparse.Namespace, run: Callable[..., dict[str, Any]]) -> dict[str, Any]:
@@ -41,15 +46,17 @@ def run_on_sims(args: argparse.Namespace, run: Callable[..., dict[str, Any]]) ->
     flags = [*ENGINE, *TIMING]
     with Servers() as s:
         p, d, c, c1, c2, p0, d0 = s.sims([
-            ("prefill", "load-p", [*flags, "--num-blocks", str(blocks)]),
-            ("decode", "load-d", [*flags, "--num-blocks", str(blocks)]),
+            ("prefill", "load-p", [*flags, *EVENTS, "--num-blocks", str(blocks)]),
+            ("decode", "load-d", [*flags, *EVENTS, "--num-blocks", str(blocks)]),
             ("colocated", "load-c", [*flags, "--num-blocks", str(2 * blocks)]),
             ("colocated", "load-c1", [*flags, "--num-blocks", str(blocks)]),
             ("colocated", "load-c2", [*flags, "--num-blocks", str(blocks)]),
             ("prefill", "load-p0", [*flags, "--num-blocks", str(blocks), "--no-bidirectional"]),
             ("decode", "load-d0", [*flags, "--num-blocks", str(blocks), "--no-bidirectional"])])
+        events = [a for e in (p, d) for a in ("--kv-events", f"{e.url}={get_json(e.url + '/sim/stats')['kv_events_endpoint']}")]
         gateway = s.gateways([([p], [d], ["--reuse-policy", "cost", "--local-prefill-max-tokens",
-                                          str(DEFAULT_LOCAL_PREFILL_MAX_TOKENS)])])[0]
+                                          str(DEFAULT_LOCAL_PREFILL_MAX_TOKENS), "--admin-key", ADMIN_KEY,
+                                          *events])])[0]
         stateless = s.router([p0], [d0])
         pair = s.router_workers([c1, c2], policy="cache_aware")
         urls = {stats.GATEWAY: gateway.url, stats.STATELESS: stateless.url, stats.COLOC: c.url,

@@ -104,7 +104,7 @@ step_load() {
     args+=(--coloc2 http://127.0.0.1:8011 --engines coloc2=http://127.0.0.1:8301,http://127.0.0.1:8302)
   fi
   PYTHONPATH="${GW_PATH:+$GW_PATH:}$ROOT" timeout "${LOAD_BUDGET_S:-3000}" "$PY" "$HERE/load.py" "${args[@]}" \
-    --points "$points" --duration-s "${LOAD_DURATION_S:-$([ "$quick" = 1 ] && echo 25 || echo 60)}" \
+    ${LOAD_ONLY:+--only $LOAD_ONLY} --points "$points" --duration-s "${LOAD_DURATION_S:-$([ "$quick" = 1 ] && echo 25 || echo 60)}" \
     --think-scale "${LOAD_THINK_SCALE:-$([ "$quick" = 1 ] && echo 0.1 || echo 1)}" --out "$OUT/load" \
     --title "load bench, H200 ($(date -u +%F))"
 }

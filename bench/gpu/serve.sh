@@ -149,7 +149,7 @@ if [ "${LOAD_ARMS:-0}" = 1 ]; then
     [ "${KV_EVENTS:-0}" = 1 ] && [ ! -f "$RUN/$n.no_events" ] && \
       events+=(--kv-events "http://127.0.0.1:${PORT[$n]}=tcp://127.0.0.1:${EVENTS_PORT[$n]}")
   done
-  start_gateway G4 cost --conversation-lookup both "${events[@]}"
+  start_gateway G4 cost --conversation-lookup both --admin-key "${ADMIN_KEY:-pdgw-bench-admin}" "${events[@]}"
   GATEWAYS="$GATEWAYS G4"
   start_router() {  # name args...
     local name=$1; shift
