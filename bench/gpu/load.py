@@ -88,7 +88,7 @@ def run_arm(arm: str, url: str, engines: list[str], point: Point, args: argparse
     if arm == stats.GATEWAY:
         dropped = drop_conversations(url, {t.session for t in turns if t.session}, args.admin_key)
         time.sleep(2)                 # releases go through P: let them land before D's usage is read
-        row["engines"]["kv_usage_after"] = round(kv_usage(engines), 4)
+        row["engines"]["kv_usage_after_d"] = round(kv_usage(engines[-1:]), 4)     # engines: [P, D]
         row["dropped"] = dropped
     print(f"  turns={row['turns']} errors={row['errors']} later p50/p99={row['later_p50']:.0f}/"
           f"{row['later_p99']:.0f} ms itl p99={row['itl_p99']:.1f} ms goodput={row['goodput']:.2f}/s "
