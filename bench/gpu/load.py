@@ -90,6 +90,7 @@ def run_arm(arm: str, url: str, engines: list[str], point: Point, args: argparse
         time.sleep(2)                 # releases go through P: let them land before D's usage is read
         row["engines"]["kv_usage_after_d"] = round(kv_usage(engines[-1:]), 4)     # engines: [P, D]
         row["dropped"] = dropped
+        row["gateway_engines"] = admin_engines(url, args.admin_key)     # incl. what each engine's KV events say
     print(f"  turns={row['turns']} errors={row['errors']} later p50/p99={row['later_p50']:.0f}/"
           f"{row['later_p99']:.0f} ms itl p99={row['itl_p99']:.1f} ms goodput={row['goodput']:.2f}/s "
           f"reuse={row['reuse']:.0%} {dict(list(row['plans'].items())[:3])}", flush=True)
@@ -110,6 +111,16 @@ def drop_conversations(url: str, sessions: set[str], admin_key: str = ADMIN_KEY)
         except OSError:
             pass
     return n
+
+
+def admin_engines(url: str, admin_key: str) -> Any:
+    """The gateway's view of its engines (GET /admin/engines): health, data plane, KV-events knowledge."""
+    import urllib.request
+    req = urllib.request.Request(f"{url.rstrip('/')}/admin/engines", headers={"Authorization": f"Bearer {admin_key}"})
+    try:
+        return json.loads(urllib.request.urlopen(req, timeout=10).read())
+    except (OSError, ValueError) as exc:
+        return {"error": str(exc)[:200]}
 
 
 def judge(samples: list, coloc: str, model: str) -> dict[str, Any]:
