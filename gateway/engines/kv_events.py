@@ -130,6 +130,7 @@ class KVEventFeeds:
                     engine.cache = CacheIndex()
                     self._roles[engine.url] = pool.role
                     self.subscribers.append(KVEventSubscriber(engine.url, endpoint, engine.cache, self.ctx))
+                    log.info("KV events of %s: subscribing to %s", engine.url, endpoint)   # the log shows it
         self._tasks: list[asyncio.Task] = []
         if metrics is not None:
             metrics.kv_events.source = self.rows
