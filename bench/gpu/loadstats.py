@@ -11,21 +11,13 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from bench.loadgen import percentile as pct
+
 LATER_TTFT_SLO_S, FIRST_TTFT_SLO_S, ITL_SLO_S = 0.300, 2.0, 0.050
 GATEWAY, STATELESS, COLOC, COLOC2 = "gateway", "stateless", "coloc", "coloc2"
 LABELS = {GATEWAY: "pd-gateway (defaults)", STATELESS: "stateless PD (vllm-router)",
           COLOC: "one engine, KV of P+D", COLOC2: "two engines (vllm-router cache_aware)"}
 FROM_D = ("local", "reuse", "partial")
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def good(t) -> bool:
