@@ -28,6 +28,8 @@ import asyncio
 import json
 import sys
 import time
+import urllib.parse
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -97,28 +99,29 @@ def run_arm(arm: str, url: str, engines: list[str], point: Point, args: argparse
     return row, [t for t in turns if t.sample and "top" in t.sample]
 
 
+def _admin(url: str, path: str, admin_key: str, method: str = "GET") -> Any:
+    req = urllib.request.Request(f"{url.rstrip('/')}{path}", method=method,
+                                 headers={"Authorization": f"Bearer {admin_key}"})
+    return json.loads(urllib.request.urlopen(req, timeout=10).read())
+
+
 def drop_conversations(url: str, sessions: set[str], admin_key: str = ADMIN_KEY) -> int:
-    """DELETE /admin/conversations/ID for each: D's handles released, so the next point starts with D's KV free."""
-    import urllib.parse
-    import urllib.request
+    """DELETE /admin/conversations/ID for each: D's handles released, so the next point starts with D's KV free.
+    X-PD-Session's id holds a '#' (scoped by the conversation's head): percent-encoded."""
     n = 0
-    for s in sessions:       # X-PD-Session's id holds a '#' (scoped by the conversation's head): percent-encoded
-        req = urllib.request.Request(f"{url.rstrip('/')}/admin/conversations/{urllib.parse.quote(s, safe='')}",
-                                     method="DELETE", headers={"Authorization": f"Bearer {admin_key}"})
+    for s in sessions:
         try:
-            urllib.request.urlopen(req, timeout=10).read()
+            _admin(url, f"/admin/conversations/{urllib.parse.quote(s, safe='')}", admin_key, "DELETE")
             n += 1
-        except OSError:
+        except (OSError, ValueError):
             pass
     return n
 
 
 def admin_engines(url: str, admin_key: str) -> Any:
     """The gateway's view of its engines (GET /admin/engines): health, data plane, KV-events knowledge."""
-    import urllib.request
-    req = urllib.request.Request(f"{url.rstrip('/')}/admin/engines", headers={"Authorization": f"Bearer {admin_key}"})
     try:
-        return json.loads(urllib.request.urlopen(req, timeout=10).read())
+        return _admin(url, "/admin/engines", admin_key)
     except (OSError, ValueError) as exc:
         return {"error": str(exc)[:200]}
 
