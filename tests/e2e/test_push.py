@@ -53,8 +53,9 @@ def writes(pd: Stack) -> int:
 
 @pytest.fixture(scope="module")
 def pd():
-    with stack(sim=PUSH, decode=(), local=True, decodes=2,
-               gateway=["--decode-first-byte-timeout-s", "3", "--prefill-timeout-s", "5"]) as s:
+    with stack(sim=PUSH, decode=(), local=True, decodes=2,       # the local cap 256: an idle D's whole bound
+               gateway=["--decode-first-byte-timeout-s", "3", "--prefill-timeout-s", "5",
+                        "--local-prefill-max-tokens", "256"]) as s:
         yield s
 
 
