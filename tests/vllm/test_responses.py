@@ -43,7 +43,7 @@ def test_a_responses_conversation_continues_d_s_kv(engines, gateway):
         turns[-1] += (list(history),)
         history += [{"role": "assistant", "content": response.output_text}]
         previous = response.id
-    assert turns[0][:2] == ("full", "first_turn")
+    assert turns[0][:2] == ("full", "no_session")      # a new chain without a session id: looked up by prefix
     for plan, reason, reused, loaded, _, _ in turns[1:]:
         assert (plan, reason) == ("reuse", "continuous") and reused > 0
         assert loaded > 0, "P read D's KV"
