@@ -118,9 +118,9 @@ class Serving:
             raise SimRequestError(400, str(exc)) from exc
         external = prefix + (header_id or body.request_id or secrets.token_hex(16))
         req = EngineRequest(f"{external}-{secrets.token_hex(4)}", prompt, max_tokens,
-                            kv_params=_connector_params(body.kv_transfer_params), cache_salt=body.cache_salt,
-                            min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, seed=body.seed,
-                            stop=body.stop_list(), schema=schema)
+                            kv_params=_connector_params(body.kv_transfer_params, self.settings.honour_prompt_token_ids),
+                            cache_salt=body.cache_salt, min_tokens=body.min_tokens, ignore_eos=body.ignore_eos,
+                            seed=body.seed, stop=body.stop_list(), schema=schema)
         return Call(kind, external, body, req, logprobs=logprobs)
 
     def logprobs(self, call: Call, run: Running, tokens: list[int], start: int, offset: int = 0,
@@ -343,10 +343,12 @@ def _decode(raw: bytes, kind: type) -> Any:
         raise SimRequestError(400, f"Invalid JSON body: {exc}") from exc
 
 
-def _connector_params(params: dict[str, Any] | None) -> dict[str, Any] | None:
-    """What the connector sees: vLLM's renderer pops `prompt_token_ids` (renderers/online_renderer.py:105-150),
-    and params left empty count as none (chat_completion/protocol.py:747-749): no handle at the end."""
+def _connector_params(params: dict[str, Any] | None, pops_ids: bool = True) -> dict[str, Any] | None:
+    """What the connector sees: vLLM 0.32's renderer pops `prompt_token_ids` (renderers/online_renderer.py:105-150),
+    and params left empty count as none (chat_completion/protocol.py:747-749): no handle at the end. An engine
+    before 0.32 (`--no-prompt-token-ids`) passes the params on as sent (vLLM 0.25 chat_completion/protocol.py:665-667
+    hands them to the connector whole): the ids alone are params, and a bidirectional D pins their request."""
     if not params:
         return None
-    rest = {k: v for k, v in params.items() if k != "prompt_token_ids"}
+    rest = {k: v for k, v in params.items() if k != "prompt_token_ids"} if pops_ids else params
     return rest or None

@@ -78,11 +78,13 @@ def test_decode_body_keeps_the_clients_request():
 
 
 def test_a_local_leg_that_holds_nothing_sends_only_the_pinned_ids():
-    """D's KV events known (issue 36): D is asked for no handle, so it pins nothing and asks no lease (§9)."""
+    """D's KV events known (issue 36): D is asked for no handle, so it pins nothing and asks no lease (§9); the
+    ids only to a D proven to pop them (before vLLM 0.32 they stay params, and a bidirectional D pins those)."""
     held = _json(decode_body(_turn(), None, local=True)["kv_transfer_params"])
     assert held["do_remote_decode"] is True and held["prompt_token_ids"] == [1, 2, 3]
-    plain = decode_body(_turn(), None, local=True, hold=False)
+    plain = decode_body(_turn(), None, local=True, hold=False, stub=True)
     assert _json(plain["kv_transfer_params"]) == {"prompt_token_ids": [1, 2, 3]}
+    assert decode_body(_turn(), None, local=True, hold=False)["kv_transfer_params"] == {}
     completion = decode_body(_turn(endpoint="/v1/completions", body={"prompt": "abc"}), None, local=True, hold=False)
     assert completion["kv_transfer_params"] == {}
 

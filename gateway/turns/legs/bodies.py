@@ -44,7 +44,9 @@ def decode_body(req: TurnRequest, prefill_handle: kv.Handle | None, *, local: bo
         params = kv.push_decode_params(target, pinned, p_id)
     else:
         if local:
-            params = kv.local_params(pinned) if hold else kv.cache_params(pinned)
+            # Holding nothing, D gets the ids only where it is proven to pop them: before vLLM 0.32 they stay in
+            # the params, and a bidirectional D pins any request with params for its TTL (docs/protocol.md §9).
+            params = kv.local_params(pinned) if hold else kv.cache_params(pinned if stub else None)
         else:
             params = kv.decode_params(prefill_handle, pinned)
     if params or not push:     # push, D alone on completions: no params at all (vLLM reads {} as none)
