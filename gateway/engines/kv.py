@@ -209,9 +209,15 @@ def holds_prompt_and_output(handle: Handle, prompt_tokens: int, output_tokens: i
     return handle.num_tokens == prompt_tokens + output_tokens - 1
 
 
-def stored(handle: Handle | None) -> dict[str, Any] | None:
-    """The form the conversation store keeps (it never interprets handles)."""
-    return handle.wire if handle is not None else None
+def stored(handle: Handle | None, findable: bool = False) -> dict[str, Any] | None:
+    """The form the conversation store keeps (it never interprets handles). Without a handle, `findable` keeps an
+    empty one: nothing is pinned on D, but the store files the record in its prefix index and gives it to one
+    claim, as it does a handle, so a turn without a session id still finds a conversation whose history only D's
+    prefix cache holds (its KV events or, in push mode, the local bet say whether it still does). It reads back
+    as no handle (`from_store`)."""
+    if handle is not None:
+        return handle.wire
+    return {} if findable else None
 
 
 def from_store(wire: dict[str, Any] | None) -> Handle | None:

@@ -30,7 +30,7 @@ class ConversationAdmin:
         return {"session_id": key.session, "tenant": key.tenant, "turn": turn, "model": record.model,
                 "decode_engine": record.decode_engine, "prefill_engine": record.prefill_engine,
                 "held_tokens": record.held_tokens, "num_tokens": record.num_tokens,
-                "handle_live": handle is not None, "updated_at": record.updated_at}
+                "handle_live": kv.from_store(handle) is not None, "updated_at": record.updated_at}
 
     async def delete(self, key: ConversationKey) -> bool:
         found = await self.store.get(key)

@@ -136,10 +136,7 @@ class TurnRunner:
 
     def _hold_back(self, turn: Turn) -> None:
         """The claimed handle a plan does not read goes back once D has answered; a local turn's too, since D's
-        new request then holds the blocks the old handle pins (docs/protocol.md §9), never before. A turn found
-        by its tokens keeps asking D to hold its result: only a live handle lets its next turn find it."""
-        if not turn.plan.hold and turn.how is not How.SESSION:
-            turn.plan = replace(turn.plan, hold=True)
+        new request then holds the blocks the old handle pins (docs/protocol.md §9), never before."""
         if turn.plan.release:
             self.outcome.release_later(turn, turn.plan.release)
         if turn.plan.local and turn.plan.handle is not None:

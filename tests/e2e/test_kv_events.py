@@ -59,19 +59,27 @@ def test_later_turns_go_local_from_d_s_cache_with_no_pin_and_no_lease(pd):
         assert pd.metric("pdgw_kv_events_cached_blocks", pool=pool, engine=engine.url) > 0
 
 
-def test_sessionless_turns_still_ask_d_to_hold_so_the_next_one_finds_them(pd):
-    """A conversation found by its tokens is found through a live handle: its local turns keep asking D for one.
-    (Before the eviction test: that one leaves D's pin budget full, and a handle turned away is not found.)"""
+def test_sessionless_turns_are_found_by_their_tokens_with_nothing_pinned_on_d(pd):
+    """A conversation found by its tokens needs no live handle where D's events say D's cache holds it: its local
+    turns ask D to hold nothing (the store files the record all the same), so D pins nothing for it once its
+    first turn's handle is spent. (Before the eviction test: that one leaves D's pin budget full.)"""
     messages = [{"role": "user", "content": topic(40)}]
     client = pd.client()
     plans = []
-    for i in range(1, 4):
+    held = lambda: totals(pd, pd.decode, "handles_pinned_total") + totals(pd, pd.decode, "handles_leased")  # noqa: E731
+    held_before = held()
+    for i in range(1, 5):
         raw = client.chat.completions.with_raw_response.create(model="demo", messages=messages, max_tokens=100)
         out = raw.parse()
         plans.append((raw.headers["x-pd-plan"], raw.headers["x-pd-conversation"]))
         messages += [{"role": "assistant", "content": out.choices[0].message.content},
                      {"role": "user", "content": topic(40 + i)}]
-    assert plans[1:] == [("local", "prefix"), ("local", "prefix")], plans
+    assert plans[1:] == [("local", "prefix")] * 3, plans
+    assert held() - held_before == 1, "D held only the first turn's KV (P's path), no local turn's"
+    pd.wait_until(lambda: totals(pd, pd.decode, "handles_pinned") + totals(pd, pd.decode, "handles_leased_now")
+                  == 0)
+    assert pd.total("kv_reads_corrupt") == 0
+
 
 def test_a_conversation_d_evicted_is_not_planned_local_from_stale_knowledge(pd):
     chat = Chat(pd, uuid.uuid4().hex)
@@ -87,3 +95,19 @@ def test_a_conversation_d_evicted_is_not_planned_local_from_stale_knowledge(pd):
     assert pd.metric("pdgw_turns_total", plan="full", reason="evicted") >= 1
     assert pd.total("kv_reads_corrupt") == 0
 
+
+
+def test_a_turn_that_holds_nothing_sends_an_engine_before_0_32_no_params():
+    """vLLM before 0.32 keeps `prompt_token_ids` in the params it hands its connector, and a bidirectional D pins
+    any finished request with params for its TTL (docs/protocol.md §9): where D is not proven to use the ids, a
+    local turn that holds nothing sends D none, so D pins nothing. Streamed, as D's handle is not on vLLM 0.25."""
+    with stack(sim=["--output-tokens", "60:80", "--no-prompt-token-ids"], local=True, kv_events=True) as s:
+        held = lambda: totals(s, s.decode, "handles_pinned_total") + totals(s, s.decode, "handles_leased")  # noqa: E731
+        chat = Chat(s, uuid.uuid4().hex)
+        chat.say(topic(0), stream=True)
+        held_after_first = held()
+        for i in range(1, 4):
+            turn = chat.say(topic(i), stream=True)
+            assert (turn.plan, turn.reason) == ("local", "short_suffix") and turn.text == turn.expected
+        assert held() == held_after_first, "a local turn left a pin on D"
+        assert s.total("kv_reads_corrupt") == 0

@@ -234,6 +234,20 @@ async def test_an_evicted_handle_leaves_the_prefix_index(store: ConversationStor
     assert await store.find_by_prefix("acme", [bytes(range(16))], 64, now) == []
 
 
+async def test_an_empty_handle_is_filed_and_claimed_once_like_any(store: ConversationStore) -> None:
+    """kv.stored's empty handle (nothing pinned on D, the record still findable by its tokens) is opaque to the
+    store: filed in the prefix index, claimed by one turn, read back as {}."""
+    await finished_turn(store, KEY, handle={})
+    second = await finished_turn(store, KEY, handle={})
+    now = time.time()
+    [holder] = await store.find_by_prefix("acme", [bytes(range(16))], 64, now)
+    assert (holder.key, holder.turn) == (KEY, second.turn)
+    found = await store.begin_found_turn(KEY, holder.turn, now)
+    assert found is not None and found.handle == {} and found.handle_state == "claimed"
+    assert await store.begin_found_turn(KEY, holder.turn, now) is None
+    assert await store.find_by_prefix("acme", [bytes(range(16))], 64, now) == []
+
+
 # -- put_back: a turn refused after its claim undoes its begin -------------------------------------------------
 async def test_put_back_returns_the_claimed_handle_as_if_the_turn_never_began(store: ConversationStore) -> None:
     await finished_turn(store, KEY)

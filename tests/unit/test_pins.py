@@ -110,7 +110,7 @@ async def test_a_handle_larger_than_the_budget_is_released_not_stored():
     await turn(state, "a", 48)                                  # 12 blocks > 10
     assert releaser.released == [(48, "evicted")]
     record, handle, _ = await state.store.get(ConversationKey("t", "a"))
-    assert handle is None and record.handle_note == "never_kept"
+    assert not handle and record.handle_note == "never_kept"      # {}: nothing pinned, findable by its tokens
     _, claim = await turn(state, "a", 52)
     assert claim.missing == Reason.NEVER_KEPT
 

@@ -82,7 +82,7 @@ class ConversationState:
         if found is None:
             return None, None
         start = found.start
-        self.pins.begun(found.key, start.handle_state == "claimed", time.time())
+        self.pins.begun(found.key, kv.from_store(start.handle) is not None, time.time())   # a pin, not {}
         if req.rerender is not None and start.record is not None and start.record.answers:
             req.prompt_ids = req.rerender(start.record.answers)      # past answers as D generated them
         return found, self._claim(req, start)
@@ -124,7 +124,6 @@ class ConversationState:
                 self.releaser.release(handle, "unused")
             return
         now = time.time()
-        expires_at = now + (self.settings.lease_ttl_s if leased else self.settings.handle_ttl_s)
         handle, victims, turned_away = self.pins.admit(session, served.decode, handle, now)
         previous = start.record
         num_tokens, held = held_fingerprint(      # hashes only the blocks the plan did not verify
@@ -137,15 +136,22 @@ class ConversationState:
             handle_note="" if handle else (NEVER_KEPT if turned_away else _missing_note(req, capture, plan)),
             answers=self._answers(req, start, capture), created_at=previous.created_at if previous else now,
             updated_at=now)
+        # No pin but tokens only D's prefix cache holds: findable by the next turn's tokens all the same, for as
+        # long as the conversation lives (kv.stored's empty handle); the plan then asks D's KV events.
+        findable = handle is None and record.held_tokens > 0
+        expires_at = now + (self.settings.conversation_ttl_s if findable else
+                            self.settings.lease_ttl_s if leased else self.settings.handle_ttl_s)
         try:
             stored = await timed(self.metrics, "finish_turn", self.store.finish_turn(
-                session, start.turn, record, kv.stored(handle), expires_at, now, _unchanged(previous, record)))
+                session, start.turn, record, kv.stored(handle, findable), expires_at, now,
+                _unchanged(previous, record)))
         except StoreUnavailableError:
             stored = False
         if handle and not stored:
             self.releaser.release(handle, "superseded")
         if handle and stored:
             self.pins.stored(served.decode, session, start.turn, handle, now, expires_at)
+        if stored and (handle or findable):
             self.finder.recent.stored(session, start.turn, record)     # the next sessionless turn's first try
         await self.pins.evict(victims)
         self.pins.report(served.decode)
