@@ -78,7 +78,7 @@ def kv_usage(urls: list[str]) -> float:
 
 def run_arm(arm: str, url: str, engines: list[str], point: Point, args: argparse.Namespace,
             run_tag: str) -> tuple[dict, list]:
-    before = engine_counts(engines)
+    before, gw_before = engine_counts(engines), wire.metrics(url) if arm == stats.GATEWAY else {}
     tag = f"{run_tag}-{arm}-{point.name}"
     client = Client(url, args.model, tag, sample=arm == stats.GATEWAY, turn_timeout_s=args.turn_timeout_s)
     t0 = time.perf_counter()
@@ -88,6 +88,7 @@ def run_arm(arm: str, url: str, engines: list[str], point: Point, args: argparse
     after = engine_counts(engines)
     row["engines"] = {k: after[k] - before[k] for k in after}
     if arm == stats.GATEWAY:
+        row["gateway"] = gateway_counts(gw_before, wire.metrics(url))
         dropped = drop_conversations(url, {t.session for t in turns if t.session}, args.admin_key)
         time.sleep(2)                 # releases go through P: let them land before D's usage is read
         row["engines"]["kv_usage_after_d"] = round(kv_usage(engines[-1:]), 4)     # engines: [P, D]
@@ -97,6 +98,27 @@ def run_arm(arm: str, url: str, engines: list[str], point: Point, args: argparse
           f"{row['later_p99']:.0f} ms itl p99={row['itl_p99']:.1f} ms goodput={row['goodput']:.2f}/s "
           f"reuse={row['reuse']:.0%} {dict(list(row['plans'].items())[:3])}", flush=True)
     return row, [t for t in turns if t.sample and "top" in t.sample]
+
+
+def gateway_counts(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """What the gateway did during the arm, from its /metrics: mean ms per phase of its turns and of its own
+    time per span, handles released and handles D did not return by why, conversations found by how, tokens
+    pinned at the end."""
+    def by_label(name: str, label: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for key in set(before) | set(after):
+            base, _, rest = key.partition("{")
+            if base == name and f'{label}="' in rest:
+                value = rest.split(f'{label}="', 1)[1].split('"', 1)[0]
+                out[value] = out.get(value, 0.0) + after.get(key, 0.0) - before.get(key, 0.0)
+        return {k: round(v, 4) for k, v in out.items() if v}
+    sums, counts = by_label("pdgw_gateway_seconds_sum", "span"), by_label("pdgw_gateway_seconds_count", "span")
+    return {"phases_ms": wire.gateway_phases(before, after),
+            "own_ms": {k: round(sums.get(k, 0.0) / n * 1e3, 2) for k, n in counts.items()},
+            "released": by_label("pdgw_handles_released_total", "reason"),
+            "missing": by_label("pdgw_handles_missing_total", "reason"),
+            "lookups": by_label("pdgw_conversation_lookups_total", "how"),
+            "pinned_tokens": wire.msum(after, "pdgw_pinned_tokens", {})}
 
 
 def _admin(url: str, path: str, admin_key: str, method: str = "GET") -> Any:
@@ -161,6 +183,7 @@ def run(args: argparse.Namespace, urls: dict[str, str], engines: dict[str, list[
     for arm in (a for a in ARMS if a in urls):
         for point in points:
             print(f"{arm} at {point.name} ({args.duration_s:g} s, think x{args.think_scale:g})", flush=True)
+            drain(engines.get(arm, [])[-1:], args.drain_s)
             rows[point.name][arm], s = run_arm(arm, urls[arm], engines.get(arm, []), point, args, run_tag)
             samples += s
             result["points"] = [{"point": p.name, "workload": p.workload, "concurrency": p.concurrency,
@@ -175,6 +198,18 @@ def run(args: argparse.Namespace, urls: dict[str, str], engines: dict[str, list[
     result["summary"] = stats.summary_line(result["points"], result.get("judge", {}).get("flagged", 0))
     save(result, args.out)
     return result
+
+
+def drain(decode: list[str], limit_s: float, below: float = 0.05) -> None:
+    """Wait (at most `limit_s`) until D's KV is free of what earlier points left pinned. A streamed answer from
+    vLLM 0.25 carries no handle, so D's pin after each P-path turn (first turns above all) cannot be released and
+    lasts its decoder_kv_blocks_ttl: without the wait a point would start on a D its predecessor filled."""
+    t0 = time.perf_counter()
+    while decode and limit_s > 0 and time.perf_counter() - t0 < limit_s and kv_usage(decode) > below:
+        time.sleep(2)
+    if time.perf_counter() - t0 > 1:
+        print(f"  waited {time.perf_counter() - t0:.0f} s for D's KV to drain ({kv_usage(decode):.0%} used)",
+              flush=True)
 
 
 def point_note(point: Point) -> str:
@@ -214,6 +249,8 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--scale", type=float, default=1.0, help="every workload length x this (the simulators' sizes)")
     ap.add_argument("--model", default="pdgw-bench")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--drain-s", type=float, default=0.0,
+                    help="before each arm and point, wait up to this long for D's KV to be free of earlier pins")
     ap.add_argument("--turn-timeout-s", type=float, default=300.0, help="a turn longer than this counts as hung")
     ap.add_argument("--out", default=str(ROOT / "bench" / "gpu-out" / "load"))
     ap.add_argument("--title", default="load bench")

@@ -12,7 +12,8 @@
 #   itl          D's inter-token latency of running streams, alone and under local prefills -> $OUT/itl.json
 #   load         the load bench (bench/gpu/load.py): many conversations at once through pd-gateway, stateless PD,
 #                one and two co-located engines; needs `LOAD_ARMS=1` at serve (and ROUTER for vllm-router's arms)
-#                -> $OUT/load/{load.json,load.md,load.png}; LOAD_POINTS, LOAD_DURATION_S, LOAD_THINK_SCALE
+#                -> $OUT/load/{load.json,load.md,load.png}; LOAD_POINTS, LOAD_DURATION_S, LOAD_THINK_SCALE,
+#                LOAD_DRAIN_S (wait up to this long before each arm and point for D's KV to be free of old pins)
 #   report       bench/GPU-RESULTS.md and bench/gpu-results.png from $OUT
 #   stop         end what serve started
 # Environment: MODEL (/tmp/pdgw-bench-model), MODEL_SIZE (3b), OUT (bench/gpu-out), TRANSPORT (auto),
@@ -104,7 +105,7 @@ step_load() {
     args+=(--coloc2 http://127.0.0.1:8011 --engines coloc2=http://127.0.0.1:8301,http://127.0.0.1:8302)
   fi
   PYTHONPATH="${GW_PATH:+$GW_PATH:}$ROOT" timeout "${LOAD_BUDGET_S:-3000}" "$PY" "$HERE/load.py" "${args[@]}" \
-    ${LOAD_ONLY:+--only $LOAD_ONLY} --points "$points" --duration-s "${LOAD_DURATION_S:-$([ "$quick" = 1 ] && echo 25 || echo 60)}" \
+    ${LOAD_ONLY:+--only $LOAD_ONLY} --drain-s "${LOAD_DRAIN_S:-0}" --points "$points" --duration-s "${LOAD_DURATION_S:-$([ "$quick" = 1 ] && echo 25 || echo 60)}" \
     --think-scale "${LOAD_THINK_SCALE:-$([ "$quick" = 1 ] && echo 0.1 || echo 1)}" --out "$OUT/load" \
     --title "load bench, H200 ($(date -u +%F))"
 }

@@ -8,6 +8,7 @@ import time
 
 from gateway.engines import kv
 from gateway.telemetry import Metrics, log_turn
+from gateway.turns.intake.clock import TurnClock
 from gateway.turns.legs.capture import DecodeCapture
 from gateway.turns.legs.release import HandleReleaser
 from gateway.turns.state.state import ConversationState
@@ -43,7 +44,8 @@ class TurnOutcome:
         if room:
             self.metrics.local_bound_tokens.labels(plan.kind.value).observe(room["local_bound"])
         log_turn(log, request_id=turn.req.request_id, plan=plan.kind.value, reason=plan.reason.value,
-                 reused=reused, computed=prompt - reused, seconds=round(time.perf_counter() - turn.began, 4), **room)
+                 reused=reused, computed=prompt - reused, seconds=round(time.perf_counter() - turn.began, 4), **room,
+                 **_legs_ms(turn.req.clock))
 
     def observe(self, phase: str, began: float) -> None:
         self.metrics.turn_seconds.labels(phase).observe(time.perf_counter() - began)
@@ -59,3 +61,16 @@ class TurnOutcome:
         for handle, why in turn.held_back:
             self.releaser.release(handle, why)
         turn.held_back.clear()
+
+
+def _legs_ms(clock: TurnClock) -> dict[str, float]:
+    """Where the turn's first token waited, for its log line: P's leg, D's first token after its request was
+    sent, and the gateway's own time (`pdgw_gateway_seconds`' `internal`); a leg not run is left out."""
+    out = {}
+    if clock.prefill_sent and clock.prefill_answered:
+        out["p_ms"] = round((clock.prefill_answered - clock.prefill_sent) * 1e3, 1)
+    if clock.decode_sent and clock.decode_first:
+        out["d_first_ms"] = round((clock.decode_first - clock.decode_sent) * 1e3, 1)
+    if "internal" in (spans := clock.spans()):
+        out["own_ms"] = round(spans["internal"] * 1e3, 1)
+    return out
