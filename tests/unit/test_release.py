@@ -1,0 +1,103 @@
+"""Releasing an unused D handle through P (turns/legs/release.py): a release no P could take is tried again
+until a P comes back; one a P answered (even with an error) is never sent twice; shutting down stops retries."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from gateway.config import Settings
+from gateway.engines import kv
+from gateway.engines.pool import EnginePool
+from gateway.errors import EngineConnectError, EngineFailedError
+from gateway.telemetry import Metrics
+from gateway.turns.legs import release
+from gateway.turns.legs.calls import EngineCalls
+from gateway.turns.legs.release import HandleReleaser
+
+P = "http://p0"
+HANDLE = kv.Handle({"do_remote_decode": True, "remote_engine_id": "d0", "remote_block_ids": [[1, 2]],
+                    "remote_request_id": "r1", "remote_host": "h", "remote_port": 1, "remote_num_tokens": 31})
+
+
+class FlakyP:
+    """P refuses connections `down` times, then answers (or fails with `error`)."""
+
+    def __init__(self, down: int, error: Exception | None = None) -> None:
+        self.down, self.error, self.calls = down, error, 0
+
+    async def post_json(self, url: str, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        self.calls += 1
+        assert body["kv_transfer_params"]["remote_num_tokens"] == 0
+        if self.calls <= self.down:
+            raise EngineConnectError("connection refused")
+        if self.error is not None:
+            raise self.error
+        return {"choices": [{}]}
+
+
+def releaser(p: FlakyP) -> HandleReleaser:
+    metrics = Metrics()
+    pool = EnginePool("prefill", Settings(prefill=[P], decode=["http://d0"]).prefill)
+    return HandleReleaser(p, pool, EngineCalls(metrics), metrics, "m")
+
+
+@pytest.fixture(autouse=True)
+def fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(release, "RETRY_FIRST_S", 0.01)
+    monkeypatch.setattr(release, "RETRY_MAX_S", 0.02)
+
+
+async def settle(r: HandleReleaser) -> None:
+    for _ in range(200):
+        if not r._tasks:
+            return
+        await asyncio.sleep(0.01)
+
+
+def test_a_release_while_p_is_down_is_sent_once_p_is_back():
+    p = FlakyP(down=3)
+
+    async def go() -> None:
+        r = releaser(p)
+        r.release(HANDLE, "unused")
+        await settle(r)
+    asyncio.run(go())
+    assert p.calls == 4
+
+
+def test_a_release_p_answered_with_an_error_is_not_sent_again():
+    p = FlakyP(down=0, error=EngineFailedError("P failed"))
+
+    async def go() -> None:
+        r = releaser(p)
+        r.release(HANDLE, "unused")
+        await settle(r)
+    asyncio.run(go())
+    assert p.calls == 1
+
+
+def test_retries_stop_at_the_limit_and_at_shutdown(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(release, "RELEASE_RETRY_S", 0.1)
+    p = FlakyP(down=10**6)
+
+    async def limited() -> None:
+        r = releaser(p)
+        r.release(HANDLE, "unused")
+        await settle(r)
+    asyncio.run(limited())
+    assert 2 <= p.calls < 20
+
+    monkeypatch.setattr(release, "RELEASE_RETRY_S", 60.0)
+    monkeypatch.setattr(release, "RETRY_FIRST_S", 30.0)
+    q = FlakyP(down=10**6)
+
+    async def shutdown() -> None:
+        r = releaser(q)
+        r.release(HANDLE, "unused")
+        await asyncio.sleep(0.05)
+        await asyncio.wait_for(r.drain(), 2)           # the 30 s pause ends at once
+    asyncio.run(shutdown())
+    assert q.calls == 1
