@@ -180,7 +180,7 @@ def run(args: argparse.Namespace, urls: dict[str, str], engines: dict[str, list[
     result: dict[str, Any] = {"title": args.title, "note": note, "points": [], "samples": []}
     samples: list = []
     rows: dict[str, dict[str, dict]] = {p.name: {} for p in points}
-    for arm in (a for a in ARMS if a in urls):
+    for arm in (a for a in ARMS if a in urls and (not args.only or a in args.only.split(","))):
         for point in points:
             print(f"{arm} at {point.name} ({args.duration_s:g} s, think x{args.think_scale:g})", flush=True)
             drain(engines.get(arm, [])[-1:], args.drain_s)
@@ -255,6 +255,8 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--out", default=str(ROOT / "bench" / "gpu-out" / "load"))
     ap.add_argument("--title", default="load bench")
     ap.add_argument("--sim", action="store_true", help="start timed simulators, gateways and vllm-router here")
+    ap.add_argument("--gateway-flag", action="append", default=[], metavar="=--FLAG",
+                    help="with --sim: one more flag for the gateway (write --gateway-flag=--local-first-turns)")
     ap.add_argument("--quick", action="store_true", help="with --sim: a few minutes")
     ap.add_argument("--smoke", action="store_true", help="with --sim: the CI size (about 2 minutes)")
     ap.add_argument("--faults", action="store_true", help="with --sim: the faults step (bench/gpu/loadfaults.py)")
@@ -278,7 +280,7 @@ def main(argv: list[str] | None = None) -> str:
         from loadsim import run_on_sims
         result = run_on_sims(args, run)
     else:
-        urls = {a: getattr(args, a) for a in ARMS if getattr(args, a) and (not args.only or a in args.only)}
+        urls = {a: getattr(args, a) for a in ARMS if getattr(args, a)}
         engines = {k: v.split(",") for k, _, v in (e.partition("=") for e in args.engines)}
         result = run(args, urls, engines, "a deployment's URLs")
     if args.out != "-":

@@ -56,7 +56,7 @@ def run_on_sims(args: argparse.Namespace, run: Callable[..., dict[str, Any]]) ->
         events = [a for e in (p, d) for a in ("--kv-events", f"{e.url}={get_json(e.url + '/sim/stats')['kv_events_endpoint']}")]
         gateway = s.gateways([([p], [d], ["--reuse-policy", "cost", "--local-prefill-max-tokens",
                                           str(DEFAULT_LOCAL_PREFILL_MAX_TOKENS), "--admin-key", ADMIN_KEY,
-                                          *events])])[0]
+                                          *events, *args.gateway_flag])])[0]
         stateless = s.router([p0], [d0])
         pair = s.router_workers([c1, c2], policy="cache_aware")
         urls = {stats.GATEWAY: gateway.url, stats.STATELESS: stateless.url, stats.COLOC: c.url,
@@ -64,8 +64,8 @@ def run_on_sims(args: argparse.Namespace, run: Callable[..., dict[str, Any]]) ->
         engines = {stats.GATEWAY: [p.url, d.url], stats.STATELESS: [p0.url, d0.url], stats.COLOC: [c.url],
                    stats.COLOC2: [c1.url, c2.url]}
         note = (f"timed simulators ({' '.join(TIMING)}, batched steps), D {blocks} blocks of 16, lengths x{scale}, "
-                f"gateway: defaults (the flags bench/servers.py sets restored); stateless PD on its own P and D "
-                f"without bidirectional transfer")
+                f"gateway: defaults (the flags bench/servers.py sets restored){' '.join(['', *args.gateway_flag])}; "
+                f"stateless PD on its own P and D without bidirectional transfer")
         result = run(args, urls, engines, note)
         oracle = [get_json(e.url + "/sim/stats") for e in (p, d, c, c1, c2, p0, d0)]
         result["corrupt"] = sum(o["kv_reads_corrupt"] for o in oracle)

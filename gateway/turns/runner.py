@@ -120,6 +120,7 @@ class TurnRunner:
                                         self.local_bound(turn))
             return None
         if record is None or not plans.may_go_local(turn.plan):
+            self._whole_prompt_local(turn)
             return None
         shape = self._shape(turn, record)
         if self.settings.reuse_policy != "cost":
@@ -133,6 +134,18 @@ class TurnRunner:
         turn.plan = plans.by_path(turn.plan, costs, shape)
         self._hold_back(turn)
         return None if turn.plan.local else prefill
+
+    def _whole_prompt_local(self, turn: Turn) -> None:
+        """`--local-first-turns`: a turn with nothing to reuse whose whole prompt is within D's local bound goes to
+        D alone (reuse/headroom.py keeps it off a D whose streams it would slow)."""
+        if not self.settings.local_first_turns or turn.decode is None or turn.plan.push:
+            return
+        if 0 < len(turn.req.prompt_ids) <= self.local_bound(turn):
+            cache = turn.decode.cache
+            known = cache is not None and cache.knowledge is not Knowledge.UNKNOWN
+            turn.plan = plans.whole_prompt_local(turn.plan, known)
+            if turn.session is None and turn.plan.local:      # stateless: no next turn will look for it
+                turn.plan = replace(turn.plan, hold=False)
 
     def _hold_back(self, turn: Turn) -> None:
         """The claimed handle a plan does not read goes back once D has answered; a local turn's too, since D's

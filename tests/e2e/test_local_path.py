@@ -108,3 +108,23 @@ def test_an_edited_history_goes_local_on_the_common_blocks(pd):
     turn = chat.ask()
     assert turn.plan == "local" and turn.text == turn.expected
     assert pd.total("kv_reads_corrupt") == 0
+
+
+def test_local_first_turns_go_to_d_alone_within_the_bound():
+    """`--local-first-turns`: a first turn whose whole prompt is within D's bound is prefilled by D itself, as a
+    co-located engine would (P computes nothing, the answer is the same), and the next turn finds the history on
+    D; a first prompt over the bound still goes through P."""
+    with stack(sim=LONG_ANSWERS, local=True,
+               gateway=["--local-first-turns", "--local-prefill-max-tokens", str(CAP)]) as s:
+        chat = Chat(s, uuid.uuid4().hex)
+        p_before = totals(s, s.prefill, "prompt_tokens_computed")
+        turn = chat.say(topic(0))
+        assert (turn.plan, turn.reason, turn.reused) == ("local", "first_turn", 0) and turn.text == turn.expected
+        assert totals(s, s.prefill, "prompt_tokens_computed") == p_before
+        turn = chat.say(topic(1), stream=True)
+        assert (turn.plan, turn.reason) == ("local", "short_suffix") and turn.reused > 0
+        assert turn.text == turn.expected
+        long = Chat(s, uuid.uuid4().hex).say(" ".join(f"word{i} and more words to read" for i in range(120)))
+        assert (long.plan, long.reason) == ("full", "first_turn") and long.text == long.expected
+        assert s.total("kv_reads_corrupt") == 0
+        assert s.metric("pdgw_turns_total", plan="local", reason="first_turn") == 1

@@ -286,3 +286,18 @@ def test_p_holding_the_history_by_its_events_reads_nothing_and_pins_nothing():
 def test_budget_eviction_and_never_kept_are_distinct_reasons():
     assert len({Reason.EVICTED, Reason.BUDGET_EVICTED, Reason.NEVER_KEPT}) == 3
     assert Reason.EVICTED.value == "evicted"
+
+
+def test_a_turn_with_nothing_to_reuse_may_go_to_d_alone_whole():
+    """`--local-first-turns`: the reason stays, nothing is reused, the P path is kept for when D fails; D holds
+    nothing where its events are known, else a lease for the next turn."""
+    from gateway.turns.reuse.plan import whole_prompt_local
+    first = full(Reason.FIRST_TURN)
+    known, unknown = whole_prompt_local(first, True), whole_prompt_local(first, False)
+    assert (known.kind, known.reason, known.reused_tokens, known.first_leg) == (PlanKind.LOCAL, Reason.FIRST_TURN,
+                                                                                0, "decode")
+    assert (known.hold, known.d_cached, unknown.hold, unknown.d_cached) == (False, 0, True, None)
+    assert replan(known, "decode", Setback.FAILED).plan.kind is PlanKind.FULL
+    reading = plan_with_handle(S + [1], Fingerprint.of(S, 19, BS), handle(19))
+    for plan in (reading, _replace(first, push=True)):        # a handle to read, or push mode: untouched
+        assert whole_prompt_local(plan, True) is plan

@@ -172,6 +172,17 @@ def to_local(plan: Plan, hit_tokens: int) -> Plan:
                 d_cached=plan.d_cached, hold=plan.d_cached is None)
 
 
+def whole_prompt_local(plan: Plan, d_events_known: bool) -> Plan:
+    """A plan with nothing to reuse (a first turn, no session) as a local one: D prefills the whole prompt itself,
+    as a co-located engine would, with no P leg and no KV hand-over (`--local-first-turns`, within D's local
+    bound). The reason stays; `instead` is the P path, for when D fails. Where D's events are known D holds
+    nothing and the next turn finds the history by them; else D keeps a producer lease, as on a later local turn."""
+    if plan.kind is not PlanKind.FULL or plan.handle is not None or plan.push:
+        return plan
+    return Plan(PlanKind.LOCAL, plan.reason, 0, None, instead=plan,
+                d_cached=0 if d_events_known else None, hold=not d_events_known)
+
+
 def may_go_local(plan: Plan) -> bool:
     """A plan the path choice may turn local: it holds a handle, or D's events say what D's cache holds."""
     return plan.handle is not None or (plan.d_cached is not None and not plan.push)
