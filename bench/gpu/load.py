@@ -78,7 +78,7 @@ def kv_usage(urls: list[str]) -> float:
 
 def run_arm(arm: str, url: str, engines: list[str], point: Point, args: argparse.Namespace,
             run_tag: str) -> tuple[dict, list]:
-    before, gw_before = engine_counts(engines), wire.metrics(url) if arm == stats.GATEWAY else {}
+    before, gw_before = engine_counts(engines), wire.metrics(url, args.admin_key) if arm == stats.GATEWAY else {}
     tag = f"{run_tag}-{arm}-{point.name}"
     client = Client(url, args.model, tag, sample=arm == stats.GATEWAY, turn_timeout_s=args.turn_timeout_s)
     t0 = time.perf_counter()
@@ -88,7 +88,7 @@ def run_arm(arm: str, url: str, engines: list[str], point: Point, args: argparse
     after = engine_counts(engines)
     row["engines"] = {k: after[k] - before[k] for k in after}
     if arm == stats.GATEWAY:
-        row["gateway"] = gateway_counts(gw_before, wire.metrics(url))
+        row["gateway"] = gateway_counts(gw_before, wire.metrics(url, args.admin_key))
         dropped = drop_conversations(url, {t.session for t in turns if t.session}, args.admin_key)
         time.sleep(2)                 # releases go through P: let them land before D's usage is read
         row["engines"]["kv_usage_after_d"] = round(kv_usage(engines[-1:]), 4)     # engines: [P, D]

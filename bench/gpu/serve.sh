@@ -14,6 +14,7 @@
 # PD mode over P and D (stateless PD), and R2 :8011, vllm-router's cache_aware routing over C1 and C2.
 # KV_EVENTS=1: P and D publish their prefix caches' changes (vLLM --kv-events-config, ZMQ on :5557 and :5558) and
 # G4 subscribes (--kv-events); an engine that fails to start with the publisher is started again without it.
+# G4_FLAGS: more flags for G4 (e.g. --local-first-turns).
 #
 #   MODEL=/path/to/model bash bench/gpu/serve.sh
 # Settings (environment):
@@ -149,7 +150,8 @@ if [ "${LOAD_ARMS:-0}" = 1 ]; then
     [ "${KV_EVENTS:-0}" = 1 ] && [ ! -f "$RUN/$n.no_events" ] && \
       events+=(--kv-events "http://127.0.0.1:${PORT[$n]}=tcp://127.0.0.1:${EVENTS_PORT[$n]}")
   done
-  start_gateway G4 cost --conversation-lookup both --admin-key "${ADMIN_KEY:-pdgw-bench-admin}" "${events[@]}"
+  # shellcheck disable=SC2086  # G4_FLAGS: more flags for G4, word-split (e.g. G4_FLAGS=--local-first-turns)
+  start_gateway G4 cost --conversation-lookup both --admin-key "${ADMIN_KEY:-pdgw-bench-admin}" "${events[@]}" ${G4_FLAGS:-}
   GATEWAYS="$GATEWAYS G4"
   start_router() {  # name args...
     local name=$1; shift

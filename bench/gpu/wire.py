@@ -46,10 +46,10 @@ def post(url: str, path: str, body: dict[str, Any], headers: dict[str, str] | No
         conn.close()
 
 
-def get_text(url: str, path: str, timeout: float = 30) -> str:
+def get_text(url: str, path: str, timeout: float = 30, headers: dict[str, str] | None = None) -> str:
     conn, base = _conn(url, timeout)
     try:
-        conn.request("GET", base + path)
+        conn.request("GET", base + path, headers=headers or {})
         return conn.getresponse().read().decode(errors="replace")
     finally:
         conn.close()
@@ -90,10 +90,12 @@ def stream_chat(url: str, body: dict[str, Any], headers: dict[str, str] | None =
     return res
 
 
-def metrics(url: str) -> dict[str, float]:
-    """Every vllm:/pdgw_ sample of /metrics, keyed by its line's name and labels; {} when unreachable."""
+def metrics(url: str, admin_key: str | None = None) -> dict[str, float]:
+    """Every vllm:/pdgw_ sample of /metrics, keyed by its line's name and labels; {} when unreachable.
+    `admin_key`: a gateway with keys serves /metrics to its admin key only."""
     try:
-        text = get_text(url, "/metrics", timeout=10)
+        text = get_text(url, "/metrics", timeout=10,
+                        headers={"Authorization": f"Bearer {admin_key}"} if admin_key else None)
     except OSError:
         return {}
     out = {}
