@@ -101,6 +101,22 @@ def test_later_turns_go_local_on_the_holder_then_push_mode_for_a_long_suffix(pd)
     settled(pd)
 
 
+def test_a_conversation_without_a_session_id_is_found_by_its_tokens_in_push_mode(pd):
+    """D returns no handle in push mode; the store files the record under an empty one (kv.stored), so the next
+    turn without a session id still finds the conversation and goes to its D alone."""
+    messages = [{"role": "user", "content": topic(50)}]
+    client, seen = pd.client(), []
+    for i in range(1, 4):
+        raw = client.chat.completions.with_raw_response.create(model="demo", messages=messages, max_tokens=60)
+        text = raw.parse().choices[0].message.content
+        expected = pd.baseline_client().chat.completions.create(model="demo", messages=messages, max_tokens=60)
+        assert text == expected.choices[0].message.content
+        seen.append((raw.headers["x-pd-plan"], raw.headers["x-pd-conversation"]))
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": topic(50 + i)}]
+    assert seen == [("full", "new"), ("local", "prefix"), ("local", "prefix")], seen
+    settled(pd)
+
+
 def test_a_p_failing_once_is_redone_with_the_same_id_and_rescues_d(pd):
     p = pd.prefill[0]
     before = pd.stats(p)
