@@ -111,3 +111,16 @@ def test_a_turn_that_holds_nothing_sends_an_engine_before_0_32_no_params():
             assert (turn.plan, turn.reason) == ("local", "short_suffix") and turn.text == turn.expected
         assert held() == held_after_first, "a local turn left a pin on D"
         assert s.total("kv_reads_corrupt") == 0
+
+
+def test_a_long_new_part_after_a_turn_that_held_nothing_is_not_held():
+    """A local turn asked D to hold nothing; the next one's new part is over the local bound, so P computes it and
+    what its cache lacks (no handle to read: `not_held`), exactly."""
+    with stack(sim=["--output-tokens", "60:80"], local=True, kv_events=True,
+               gateway=["--local-prefill-max-tokens", "256"]) as s:
+        chat = Chat(s, uuid.uuid4().hex)
+        chat.say(topic(0))
+        assert chat.say(topic(1)).plan == "local"
+        turn = chat.say(" ".join(f"word{i} and more words to read" for i in range(80)))
+        assert (turn.plan, turn.reason) == ("full", "not_held") and turn.text == turn.expected
+        assert s.total("kv_reads_corrupt") == 0

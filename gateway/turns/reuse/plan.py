@@ -52,6 +52,7 @@ class Reason(StrEnum):
     EVICTED = "evicted"                        # D dropped the history from its prefix cache (its KV events say so)
     BUDGET_EVICTED = "budget_evicted"          # D's pin budget released the handle while the conversation idled
     NEVER_KEPT = "never_kept"                  # the handle was not kept: larger than D's pin budget
+    NOT_HELD = "not_held"                      # the last turn asked D to hold nothing: its events say where it is
     P_CACHED = "p_cached"                      # P's own prefix cache holds the history (its KV events): no read
     SHORT_SUFFIX = "short_suffix"              # local: the holder D computes the short new suffix itself
     P_PATH_FASTER = "p_path_faster"            # within the local bound, but the cost plan found a P path faster
@@ -119,7 +120,7 @@ class Claim:
 
 # No pin behind the history (or none left): D's own prefix cache may still hold it, and its events say so.
 _UNPINNED = frozenset({Reason.NO_HANDLE, Reason.HANDLE_EXPIRED, Reason.BUDGET_EVICTED, Reason.NEVER_KEPT,
-                       Reason.HANDLE_NOT_STREAMED})
+                       Reason.HANDLE_NOT_STREAMED, Reason.NOT_HELD})
 
 
 def first_plan(prompt: list[int], claim: Claim) -> Plan:

@@ -222,7 +222,7 @@ def _missing_reason(record: Conversation) -> Reason:
 
 def _missing_note(req: TurnRequest, capture: DecodeCapture, plan: Plan) -> str:
     if not plan.hold:
-        return ""                              # none asked for: D's cache and its events carry the next turn
+        return Reason.NOT_HELD.value           # none asked for: D's cache and its events carry the next turn
     if plan.push:
         return Reason.PUSH_MODE.value          # D never returns a handle in push mode (docs/protocol.md §8.2)
     return Reason.HANDLE_NOT_STREAMED.value if req.stream and capture.finished else ""
