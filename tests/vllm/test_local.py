@@ -313,9 +313,12 @@ def test_a_conversation_through_the_gateway_goes_local_and_p_reads_what_it_left(
     assert all(turn.exact for turn in c.turns), [turn.plan for turn in c.turns]
     for i, turn in enumerate(local, 2):
         assert (turn.plan, turn.reason) == ("local", "short_suffix"), f"turn {i}"
-        assert turn.prefill_computed <= 1 and turn.decode_loaded == 0, f"turn {i}: P or NIXL was used"
+        assert turn.decode_loaded == 0, f"turn {i}: NIXL was used"
         held = len(c.turns[i - 2].prompt_ids) + len(c.turns[i - 2].token_ids) - 1
         assert turn.reused == held // BLOCK_SIZE * BLOCK_SIZE, f"turn {i}"
+    # P computed nothing for them but each local turn's release of the handle before it (a one-token prompt), which
+    # may land in P's counters a turn late (its /metrics lag its steps)
+    assert sum(turn.prefill_computed for turn in local) <= len(local), "P computed a local turn's prompt"
     held = len(local[-1].prompt_ids) + len(local[-1].token_ids) - 1
     assert (long.plan, long.reason) == ("reuse", "continuous")
     on_p = len(first.prompt_ids) // BLOCK_SIZE * BLOCK_SIZE       # P's cache holds the first turn's prompt only
