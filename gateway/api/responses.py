@@ -6,7 +6,10 @@ output items. Pure translation: the stream's typed events are response_events.py
     input item                          chat message
     {"role", "content"} / "message"     {"role", "content"} (content parts' texts joined; developer → system)
     "function_call"                     an assistant message's tool call (after that assistant's text, if any)
-    "function_call_output"              {"role": "tool", "tool_call_id": call_id, "content": output}
+    "function_call_output"              {"role": "tool", "tool_call_id": call_id, "content": output}; one with
+                                        no call_id but a `name` answers no call (context Codex injects, e.g.
+                                        namespace "agent", name "goal_objective": its goal's objective): a
+                                        user message with its output (chat has no tool message without a call)
     "reasoning"                         dropped (the engines' templates render no reasoning items)
 
     tool                                chat tool
@@ -115,8 +118,9 @@ def messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            out.append({"role": "tool", "tool_call_id": _string(item, "call_id", i),
-                        "content": _text(item.get("output"), f"input[{i}].output")})
+            content = _text(item.get("output"), f"input[{i}].output")
+            out.append({"role": "user", "content": content} if _injected(item) else
+                       {"role": "tool", "tool_call_id": _string(item, "call_id", i), "content": content})
         elif kind != "reasoning":
             raise InvalidRequestError(f"input items of type {kind!r} are not supported", param=f"input[{i}].type")
     return out
@@ -136,6 +140,12 @@ def _text(content: Any, where: str) -> str:
             raise InvalidRequestError("only text content parts are supported", param=f"{where}[{j}]")
         texts.append(part["text"])
     return "\n".join(texts)
+
+
+def _injected(item: dict[str, Any]) -> bool:
+    """A tool output that answers no call: Codex sends such (context it injects, as its goal's objective) with a
+    `name` and `namespace` instead of a `call_id`, and OpenAI's API takes them."""
+    return item.get("call_id") is None and isinstance(item.get("name"), str) and bool(item["name"])
 
 
 def _string(item: dict[str, Any], name: str, i: int) -> str:

@@ -36,6 +36,10 @@ def req(**fields) -> api.ResponsesRequest:
     ([{"type": "function_call", "call_id": "c1", "name": "f", "arguments": ""}],
      [{"role": "assistant", "content": None, "tool_calls": [
          {"id": "c1", "type": "function", "function": {"name": "f", "arguments": ""}}]}]),
+    # Codex 0.171's goal: an output answering no call, named instead (the harness tier's 400 in 2 runs of 3)
+    ([{"type": "function_call_output", "id": "fco_1", "name": "goal_objective", "namespace": "agent",
+       "output": "echo"}],
+     [{"role": "user", "content": "echo"}]),
 ])
 def test_input_items_become_chat_messages(items, want):
     assert api.messages(items) == want
