@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from gateway.engines.cache_index import CacheIndex
+from gateway.engines.cache_index import CacheIndex, Knowledge
 from typing import Literal
 
 from gateway.engines.dataplane import DataPlane
@@ -61,6 +61,12 @@ class Engine:
     data_plane: DataPlane | None = None
     # What its prefix cache holds, from its KV events (kv_events.py); None: it publishes none (--kv-events)
     cache: CacheIndex | None = None
+
+    @property
+    def known_cache(self) -> CacheIndex | None:
+        """Its prefix cache as its KV events tell it, where they tell anything now (not before the first batch nor
+        after a lost connection); None otherwise: the lease and TTL rules apply."""
+        return self.cache if self.cache is not None and self.cache.knowledge is not Knowledge.UNKNOWN else None
 
     def available(self, now: float) -> bool:
         return self.healthy and self.breaker.allows(now)

@@ -141,9 +141,7 @@ class TurnRunner:
         if not self.settings.local_first_turns or turn.decode is None or turn.plan.push:
             return
         if 0 < len(turn.req.prompt_ids) <= self.local_bound(turn):
-            cache = turn.decode.cache
-            known = cache is not None and cache.knowledge is not Knowledge.UNKNOWN
-            turn.plan = plans.whole_prompt_local(turn.plan, known)
+            turn.plan = plans.whole_prompt_local(turn.plan, turn.decode.known_cache is not None)
             if turn.session is None and turn.plan.local:      # stateless: no next turn will look for it
                 turn.plan = replace(turn.plan, hold=False)
 
@@ -185,8 +183,8 @@ class TurnRunner:
     def _p_cached(self, shape: TurnShape, prefill: Engine, record: Conversation) -> TurnShape:
         """P's own prefix-cache hits on the history: what P's KV events say where it publishes them, else the
         rates' estimate."""
-        cache = prefill.cache
-        if cache is not None and cache.knowledge is not Knowledge.UNKNOWN:
+        cache = prefill.known_cache
+        if cache is not None:
             blocks = cache.leading(record.block_hashes, record.block_size)
             return replace(shape, p_cached_tokens=min(blocks * record.block_size, record.held_tokens),
                            p_cache_known=cache.knowledge is Knowledge.COMPLETE or blocks > 0)

@@ -17,6 +17,7 @@ import pytest
 
 from gateway.api.messages import chat_messages
 from tests.e2e.stack import stack
+from tests.e2e.test_messages import client as anthropic_client
 
 pytestmark = pytest.mark.integration
 
@@ -35,10 +36,6 @@ RESPONSES_TOOLS = [{"type": "function", "name": n, "description": f"{n} for a ci
 def pd():
     with stack(sim=SIM) as s:
         yield s
-
-
-def anthropic_client(pd) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=pd.gateway.url, api_key="unused", max_retries=0, timeout=60)
 
 
 def baseline_calls(pd, messages: list[dict[str, Any]], choice: str = "auto") -> list[tuple[str, dict]]:

@@ -50,45 +50,30 @@ def fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(release, "RETRY_MAX_S", 0.02)
 
 
-async def settle(r: HandleReleaser) -> None:
-    for _ in range(200):
-        if not r._tasks:
-            return
-        await asyncio.sleep(0.01)
+def released(p: FlakyP) -> int:
+    """One release, run until it is sent or given up: how many times P was asked."""
+    async def go() -> None:
+        r = releaser(p)
+        r.release(HANDLE, "unused")
+        for _ in range(200):
+            if not r._tasks:
+                return
+            await asyncio.sleep(0.01)
+    asyncio.run(go())
+    return p.calls
 
 
 def test_a_release_while_p_is_down_is_sent_once_p_is_back():
-    p = FlakyP(down=3)
-
-    async def go() -> None:
-        r = releaser(p)
-        r.release(HANDLE, "unused")
-        await settle(r)
-    asyncio.run(go())
-    assert p.calls == 4
+    assert released(FlakyP(down=3)) == 4
 
 
 def test_a_release_p_answered_with_an_error_is_not_sent_again():
-    p = FlakyP(down=0, error=EngineFailedError("P failed"))
-
-    async def go() -> None:
-        r = releaser(p)
-        r.release(HANDLE, "unused")
-        await settle(r)
-    asyncio.run(go())
-    assert p.calls == 1
+    assert released(FlakyP(down=0, error=EngineFailedError("P failed"))) == 1
 
 
 def test_retries_stop_at_the_limit_and_at_shutdown(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(release, "RELEASE_RETRY_S", 0.1)
-    p = FlakyP(down=10**6)
-
-    async def limited() -> None:
-        r = releaser(p)
-        r.release(HANDLE, "unused")
-        await settle(r)
-    asyncio.run(limited())
-    assert 2 <= p.calls < 20
+    assert 2 <= released(FlakyP(down=10**6)) < 20
 
     monkeypatch.setattr(release, "RELEASE_RETRY_S", 60.0)
     monkeypatch.setattr(release, "RETRY_FIRST_S", 30.0)

@@ -49,13 +49,13 @@ class HandleReleaser:
                 await self.calls.call(engine, self.client.post_json(
                     engine.url, "/v1/completions", body, timeout_s=RELEASE_TIMEOUT_S), prompt_tokens=1)
                 return
-            except EngineUnavailableError as exc:      # no P took it: nothing reached D, so try again
-                if self._closed.is_set() or time.monotonic() + pause > give_up:
+            except GatewayError as exc:
+                # Only where no P took it (nothing reached D) is it tried again; one P answered or timed out on
+                # is not sent twice.
+                again = isinstance(exc, EngineUnavailableError) and time.monotonic() + pause <= give_up
+                if not again or self._closed.is_set():
                     log.info("could not release a D handle (%s); D frees it at its TTL", exc.code)
                     return
-            except GatewayError as exc:                # P answered or timed out: not sent twice
-                log.info("could not release a D handle (%s); D frees it at its TTL", exc.code)
-                return
             with contextlib.suppress(asyncio.TimeoutError):      # shutting down ends the pause, and the release
                 await asyncio.wait_for(self._closed.wait(), pause)
             if self._closed.is_set():

@@ -102,8 +102,8 @@ class ConversationState:
         missing = None if handle else (_NO_HANDLE_REASONS.get(start.handle_state) or _missing_reason(record))
         holder = self.decode_pool.get(record.decode_engine)
         held = fingerprint(record)
-        cache = holder.cache if holder is not None else None
-        known = cache is not None and cache.knowledge is not Knowledge.UNKNOWN and held is not None
+        cache = holder.known_cache if holder is not None else None
+        known = cache is not None and held is not None
         return Claim(False, handle, missing, held, record.model == req.model, holder is not None and holder.healthy,
                      d_cached_blocks=cache.leading(held.block_hashes, held.block_size) if known else None,
                      d_cache_complete=known and cache.knowledge is Knowledge.COMPLETE)
