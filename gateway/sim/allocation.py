@@ -82,9 +82,5 @@ class Allocator:
     async def _queued(self, attempt: Callable[[], Grant | None], *, first: bool = False,
                       giving_back: list[int] | None = None) -> Grant:
         """Wait in the queue, counted as waiting, not running, as vLLM's scheduler keeps it in its waiting queue."""
-        e = self.engine
-        e.running, e.waiting = e.running - 1, e.waiting + 1
-        try:
-            return await e.block_queue.wait(attempt, first=first, giving_back=giving_back)
-        finally:
-            e.running, e.waiting = e.running + 1, e.waiting - 1
+        with self.engine.waiting_meanwhile():
+            return await self.engine.block_queue.wait(attempt, first=first, giving_back=giving_back)

@@ -92,21 +92,22 @@ def create_sim_app(settings: SimSettings) -> Litestar:
     async def _run(call_of: Any, request: Request) -> Response | Stream:
         call = call_of(await request.body(), request.headers.get("x-request-id"))
         if engine.parks(call.engine_req.kv_params):
-            return await _park(request)    # waits for a transfer that is never scheduled
+            return await _park(request, counted=False)  # a transfer never scheduled, not even counted waiting
         if call.body.stream:
             return Stream(serving.stream(call), media_type="text/event-stream", status_code=200)
         try:
             answer = await _unless_client_leaves(request, serving.respond(call))
             return Response(content=b"", status_code=499) if answer is None else _json(answer)
         except KVLoadParked:
-            return await _park(request)    # a declined read under `recompute` is never rescheduled
+            return await _park(request, counted=True)   # a declined read under `recompute`: never rescheduled
 
-    async def _park(request: Request) -> Response:
-        engine.waiting += 1
+    async def _park(request: Request, *, counted: bool) -> Response:
+        """Unanswered until the client leaves; `counted`: as waiting, reason 'deferred' (docs/vllm-findings.md, 5, 8)."""
+        engine.waiting, engine.deferred = engine.waiting + counted, engine.deferred + counted
         try:
             await _until_disconnect(request)
         finally:
-            engine.waiting -= 1
+            engine.waiting, engine.deferred = engine.waiting - counted, engine.deferred - counted
         return Response(content=b"", status_code=499)
 
     @post("/v1/chat/completions", status_code=200)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator
 
 import msgspec
 
@@ -60,6 +60,7 @@ class Engine:
         self.steps = Steps(self)
         self.running = 0
         self.waiting = 0
+        self.deferred = 0               # of the waiting: those waiting for a KV transfer
         self.dead: str | None = None    # vLLM's engine core died (a push leg it could not read): nothing serves
         self._seats = asyncio.Semaphore(settings.max_num_seqs)
         self._ticker: asyncio.Task | None = None
@@ -203,6 +204,17 @@ class Engine:
         self.stats.kv_reads_corrupt += bad
         self.stats.requests_corrupt += bad > 0
         return slots
+
+    @contextlib.contextmanager
+    def waiting_meanwhile(self, *, deferred: bool = False) -> Iterator[None]:
+        """A seated request counted as waiting, not running, meanwhile, as vLLM's scheduler keeps it in its waiting
+        queues; `deferred`: waiting for a KV transfer (WAITING_FOR_REMOTE_KVS, in vLLM's skipped-waiting queue and
+        its metrics' reason "deferred": v1/core/sched/scheduler.py make_stats, v1/metrics/loggers.py)."""
+        self.running, self.waiting, self.deferred = self.running - 1, self.waiting + 1, self.deferred + deferred
+        try:
+            yield
+        finally:
+            self.running, self.waiting, self.deferred = self.running + 1, self.waiting - 1, self.deferred - deferred
 
     def _leave(self, *, failed: bool = False, aborted: bool = False) -> None:
         self.running -= 1

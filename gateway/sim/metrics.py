@@ -52,6 +52,10 @@ def render_metrics(engine: Engine) -> str:
     lines: list[str] = []
     for name, kind, help_text, labels, value in rows:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{_labels(**labels)} {float(value)}"]
+    name = "vllm:num_requests_waiting_by_reason"      # the two sum to vllm:num_requests_waiting
+    lines += [f"# HELP {name} Number of waiting requests by reason.", f"# TYPE {name} gauge",
+              f"{name}{_labels(**base, reason='capacity')} {float(engine.waiting - engine.deferred)}",
+              f"{name}{_labels(**base, reason='deferred')} {float(engine.deferred)}"]
     name = "vllm:prompt_tokens_by_source_total"
     lines += [f"# HELP {name} Number of prompt tokens by source.", f"# TYPE {name} counter"]
     lines += [f"{name}{_labels(**base, source=src)} {float(v)}" for src, v in by_source.items()]

@@ -233,14 +233,12 @@ class PushReceiver:
         WAITING_FOR_REMOTE_KVS). P unreachable or refusing the handshake is a failed load, under
         kv_load_failure_policy (nixl/push_worker.py:343-362)."""
         engine = self.engine
-        engine.running, engine.waiting = engine.running - 1, engine.waiting + 1
-        try:
-            return await self._receive(req, table, num_hits)
-        except TransferError as exc:
-            engine.stats.kv_load_failures += 1
-            return engine.reader.failed(str(exc))
-        finally:
-            engine.running, engine.waiting = engine.running + 1, engine.waiting - 1
+        with engine.waiting_meanwhile(deferred=True):
+            try:
+                return await self._receive(req, table, num_hits)
+            except TransferError as exc:
+                engine.stats.kv_load_failures += 1
+                return engine.reader.failed(str(exc))
 
     async def _receive(self, req: EngineRequest, table: list[int], num_hits: int) -> dict[int, Slot]:
         try:

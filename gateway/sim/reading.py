@@ -53,15 +53,16 @@ class KVReader:
             await self.notify(source)
             return {}
         began = time.perf_counter()
-        try:
-            blocks = await e.kv.read(source.holder, plan.block_ids)
-        except TransferError as exc:
-            stats.kv_load_failures += 1
-            return self.failed(str(exc))
+        with e.waiting_meanwhile(deferred=True):   # WAITING_FOR_REMOTE_KVS: waiting in vLLM's counts
+            try:
+                blocks = await e.kv.read(source.holder, plan.block_ids)
+            except TransferError as exc:
+                stats.kv_load_failures += 1
+                return self.failed(str(exc))
+            if s.transfer_ms_per_block or s.transfer_ms_per_read:
+                await asyncio.sleep((s.transfer_ms_per_read + len(blocks) * s.transfer_ms_per_block) / 1000)
         stats.kv_reads_total += 1
         stats.kv_blocks_read += len(blocks)
-        if s.transfer_ms_per_block or s.transfer_ms_per_read:
-            await asyncio.sleep((s.transfer_ms_per_read + len(blocks) * s.transfer_ms_per_block) / 1000)
         e.nixl.transfer(time.perf_counter() - began, len(blocks), bs)     # the reader records it (vLLM)
         blocks = [[]] * plan.missing + blocks  # a handle shorter than needed: the head reads garbage
         out = {}

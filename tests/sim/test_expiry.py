@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -70,9 +71,14 @@ def test_handle_within_expiry_margin_is_declined(sims: Sims, fleet: Fleet, polic
         assert resp.json() == {"error": {"message": "Internal server error", "type": "InternalServerError",
                                          "param": None, "code": 500}}
         return
-    # Real vLLM 0.32 never answers it (tests/vllm/test_findings.py): parked until the client goes away.
-    with pytest.raises(httpx.ReadTimeout):
-        sims.raw_chat(p, body, timeout=1.0)
+    # Real vLLM 0.32 never answers it (tests/vllm/test_findings.py): parked until the client goes away, counted
+    # as waiting for KV (reason 'deferred'), not for room.
+    parked = threading.Thread(target=lambda: pytest.raises(httpx.ReadTimeout, sims.raw_chat, p, body, timeout=1.5))
+    parked.start()
+    _wait_for(sims, p, "waiting", 1)
+    page = sims.http.get(p.url + "/metrics").text
+    parked.join()
+    assert 'reason="deferred"} 1.0' in page and 'reason="capacity"} 0.0' in page
     ps = _wait_for(sims, p, "waiting", 0)
     assert ps["kv_reads_declined"] == 1 and ps["kv_reads_total"] == 0 and ps["requests_parked"] == 1
     assert ps["waiting"] == 0 and ps["running"] == 0

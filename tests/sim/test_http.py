@@ -115,10 +115,8 @@ def test_p_without_bidirectional_parks_a_d_handle(sims: Sims, fleet: Fleet) -> N
         sims.http.post(p.url + "/v1/chat/completions", timeout=0.5,
                        json={"model": "demo", "messages": [user("hi")], "max_tokens": 1,
                              "kv_transfer_params": handle})
-    deadline = time.monotonic() + 3
-    while sims.stats(p)["waiting"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert sims.stats(p)["waiting"] == 0
+    # vLLM 0.32 does not even count it as waiting (docs/vllm-findings.md, finding 5)
+    assert sims.stats(p)["waiting"] == 0 and sims.stats(p)["running"] == 0
 
 
 @pytest.mark.parametrize(("c_name", "honoured"), [("c", True), ("c_old", False)])

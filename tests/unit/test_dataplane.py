@@ -32,6 +32,7 @@ def vllm_page() -> str:
     usage = Gauge("vllm:kv_cache_usage_perc", "u", labels, registry=r)
     waiting = Gauge("vllm:num_requests_waiting", "w", labels, registry=r)
     running = Gauge("vllm:num_requests_running", "r", labels, registry=r)
+    by_reason = Gauge("vllm:num_requests_waiting_by_reason", "w", [*labels, "reason"], registry=r)
     Gauge("vllm:cache_config_info", "c", ["block_size", "engine", "num_gpu_blocks"], registry=r) \
         .labels("16", "0", "1000").set(1)
     for engine, seconds in (("0", [0.004, 0.02, 0.02, 0.06]), ("1", [0.09])):
@@ -42,6 +43,8 @@ def vllm_page() -> str:
         failed.labels("m", engine).inc(1)
         preempt.labels("m", engine).inc(2)
         waiting.labels("m", engine).set(3)
+        by_reason.labels("m", engine, "capacity").set(1)
+        by_reason.labels("m", engine, "deferred").set(2)
         running.labels("m", engine).set(1)
     expired.labels("m", "0").inc(4)
     usage.labels("m", "0").set(0.5)
@@ -52,6 +55,7 @@ def test_a_vllm_page_read_whole_over_engine_cores():
     capacity, dp = dataplane.parse(vllm_page(), now=1.0)
     assert capacity.num_gpu_blocks == 1000 and dp.kv_cache_usage == 0.5
     assert (dp.requests_waiting, dp.requests_running, dp.preemptions) == (6, 2, 4)
+    assert (dp.requests_deferred, dp.requests_queued) == (4, 2)    # waiting for KV is not a queue for room
     assert (dp.nixl_failed_transfers, dp.nixl_kv_expired) == (2, 4)
     assert dp.nixl_xfer_seconds.count == 5 and dp.nixl_xfer_seconds.sum == pytest.approx(0.194)
     assert dp.nixl_xfer_seconds.buckets[-1] == (math.inf, 5)

@@ -39,3 +39,14 @@ def test_for_decode_reads_the_engine_and_its_last_scrape():
     room = for_decode(d, 8192, 20.0, RATE)
     assert (room.streams, room.in_flight, room.bound) == (9, 300, 700)
     assert set(room.fields()) == {"local_bound", "d_streams", "d_waiting", "d_local_in_flight", "local_budget_tokens"}
+
+
+def test_requests_waiting_for_p_s_kv_are_not_d_s_queue():
+    """vLLM counts a P-path turn waiting for its KV on D as waiting ('deferred'): that is no queue for room, and
+    taking it for one sent the agent workload's later turns the P path, each making the next look queued (H200)."""
+    d = Engine("http://d", "decode", outstanding_requests=2, local_prefill_tokens=300)
+    d.data_plane = DataPlane(requests_running=9.0, requests_waiting=2.0, requests_deferred=2.0)
+    assert for_decode(d, 8192, 20.0, RATE).bound == 700
+    d.data_plane = DataPlane(requests_running=9.0, requests_waiting=3.0, requests_deferred=2.0)
+    assert for_decode(d, 8192, 20.0, RATE).bound == FLOOR_TOKENS
+

@@ -171,8 +171,14 @@ def test_an_expired_handle_fails_at_once_under_fail_and_parks_under_recompute(en
         complete(engines.prefill_fail, s2 + words(30), ANSWER, h2)
     assert failed.value.code == 500 and time.monotonic() - began < 5
     p = engines.prefill
+    deferred: list[float] = []       # meanwhile: waiting, for KV ('deferred'), not for room (turns/reuse/headroom.py)
+    watch = threading.Thread(target=lambda: (time.sleep(PARK_WAIT_S / 2), deferred.append(
+        p.metric("vllm:num_requests_waiting_by_reason", reason="deferred"))))
+    watch.start()
     with pytest.raises(TimeoutError):
         complete(p, s2 + words(30), ANSWER, h1, timeout_s=PARK_WAIT_S)
+    watch.join()
+    assert deferred == [1.0]
     deadline = time.monotonic() + 10          # the client went away: vLLM aborts the parked request
     while p.metric("vllm:num_requests_waiting") and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -6,7 +6,8 @@ and fills the rest of a step with prefill tokens (chunked prefill, vllm/v1/core/
 that carries prefill tokens lasts longer by about `tokens / prefill rate`, and the streams' inter-token latency
 grows by that much. The gateway therefore lets D hold at most `itl_budget_s x prefill rate` local prefill tokens in
 flight at once while D has streams running, and the whole cap while it has none (nothing to slow). A D whose own
-queue is not empty gets the floor only: what it would prefill waits behind others, and P is free. The prefill rate
+queue is not empty gets the floor only: what it would prefill waits behind others, and P is free (its queue for
+room: vLLM also counts as waiting the requests waiting for P's KV, which P-path turns themselves put there). The prefill rate
 is the one the gateway learns from P's legs (D runs the same model on the same kind of engine); until one is
 known, the floor.
 
@@ -58,6 +59,6 @@ def for_decode(decode: Engine, cap: int, itl_budget_ms: float, prefill_tokens_pe
     and D's running and waiting requests as its /metrics last said (the health loop's scrape)."""
     dp = decode.data_plane
     streams = max(decode.outstanding_requests, int(dp.requests_running or 0) if dp else 0)
-    waiting = int(dp.requests_waiting or 0) if dp else 0
+    waiting = int(dp.requests_queued) if dp else 0
     return local_bound(cap, itl_budget_ms / 1000, prefill_tokens_per_s, streams=streams, waiting=waiting,
                        in_flight=decode.local_prefill_tokens)

@@ -178,7 +178,7 @@ class Earnings:
 
 def short_of_blocks(reading: DataPlane, preempted: bool) -> bool:
     usage = reading.kv_cache_usage
-    waiting = reading.requests_waiting or 0.0
+    waiting = reading.requests_queued
     return preempted or (usage is not None and (usage >= FULL_USAGE or (waiting > 0 and usage >= BUSY_USAGE)))
 
 
