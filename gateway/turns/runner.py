@@ -153,14 +153,14 @@ class TurnRunner:
         if turn.plan.local and turn.plan.handle is not None:
             self.outcome.release_later(turn, turn.plan.handle)
 
-    def local_bound(self, turn: Turn) -> int:
+    def local_bound(self, turn: Turn, *, else_whole_prefill: bool = False) -> int:
         """The most prompt tokens the holder D may compute itself on the local path (0: off): D's headroom
         (reuse/headroom.py) within the cap, kept on the turn for its log line."""
         if turn.decode is None:
             return 0
         s = self.settings
         turn.headroom = headroom.for_decode(turn.decode, s.local_prefill_max_tokens, s.local_itl_budget_ms,
-                                            self.rates.any_prefill_rate())
+                                            self.rates.any_prefill_rate(), else_whole_prefill=else_whole_prefill)
         return turn.headroom.bound
 
     def _shape(self, turn: Turn, record: Conversation) -> TurnShape:
@@ -174,7 +174,8 @@ class TurnRunner:
         hit = plans.local_hit(turn.plan, prompt, record.block_size)
         if turn.plan.d_cached is not None:        # within the verified prefix already, whole blocks
             hit = min(turn.plan.d_cached, prompt - 1) // record.block_size * record.block_size
-        fits = (0 < prompt - hit <= self.local_bound(turn) and turn.decode is not None
+        bound = self.local_bound(turn, else_whole_prefill=known and turn.plan.handle is None)
+        fits = (0 < prompt - hit <= bound and turn.decode is not None
                 and turn.decode.url == record.decode_engine
                 and (hit > 0 if known else turn.plan.kind in (PlanKind.REUSE, PlanKind.PARTIAL)))
         lease_short = fits and not known and time.time() - record.updated_at > self.settings.lease_ttl_s

@@ -6,6 +6,7 @@ pin and no lease; when D evicts a conversation, the next turn is not sent local 
 from __future__ import annotations
 
 import json
+import threading
 import urllib.request
 import uuid
 
@@ -123,4 +124,24 @@ def test_a_long_new_part_after_a_turn_that_held_nothing_is_not_held():
         assert chat.say(topic(1)).plan == "local"
         turn = chat.say(" ".join(f"word{i} and more words to read" for i in range(80)))
         assert (turn.plan, turn.reason) == ("full", "not_held") and turn.text == turn.expected
+        assert s.total("kv_reads_corrupt") == 0
+
+
+def test_a_long_new_part_after_a_turn_that_held_nothing_goes_local_on_a_busy_d():
+    """The same turn with D busy (another conversation streams) and no ITL budget: a turn P could read for would
+    get the floor, but this one has no handle, so the P path would prefill the whole history again and D read all
+    of it; D's cache holds the history, so D computes the new part itself (turns/reuse/headroom.py)."""
+    with stack(sim=["--output-tokens", "60:80", "--decode-ms-per-token", "40"], local=True, kv_events=True,
+               gateway=["--local-itl-budget-ms", "0"]) as s:
+        chat = Chat(s, uuid.uuid4().hex)
+        chat.say(topic(0))
+        assert chat.say(topic(1)).plan == "local"
+        busy = threading.Thread(target=Chat(s, uuid.uuid4().hex).say, args=(topic(9),), kwargs={"stream": True})
+        busy.start()
+        s.wait_until(lambda: s.stats(s.decode[0])["running"] >= 1)
+        turn = chat.say(" ".join(f"word{i} and more words to read" for i in range(80)))
+        busy.join()
+        assert (turn.plan, turn.reason) == ("local", "short_suffix") and turn.text == turn.expected
+        assert turn.prompt_tokens - turn.reused > 256
+        assert "local_bound=8192 d_streams=1" in s.gateway.log()
         assert s.total("kv_reads_corrupt") == 0

@@ -50,3 +50,13 @@ def test_requests_waiting_for_p_s_kv_are_not_d_s_queue():
     d.data_plane = DataPlane(requests_running=9.0, requests_waiting=3.0, requests_deferred=2.0)
     assert for_decode(d, 8192, 20.0, RATE).bound == FLOOR_TOKENS
 
+
+
+def test_with_no_handle_to_read_only_d_s_queue_bounds_it():
+    """D's cache holds the history and no handle does: the P path would recompute the whole history, so neither
+    streams nor local prefills in flight bound the suffix; a queue for room still does."""
+    busy = dict(streams=12, waiting=0, in_flight=5000)
+    assert local_bound(8192, 0.02, RATE, **busy).bound == FLOOR_TOKENS
+    assert local_bound(8192, 0.02, RATE, **busy, else_whole_prefill=True).bound == 8192
+    assert local_bound(8192, 0.02, RATE, streams=12, waiting=1, in_flight=0, else_whole_prefill=True).bound \
+        == FLOOR_TOKENS

@@ -38,27 +38,31 @@ class Headroom:
 
 
 def local_bound(cap: int, itl_budget_s: float, prefill_tokens_per_s: float | None, *, streams: int, waiting: int,
-                in_flight: int) -> Headroom:
+                in_flight: int, else_whole_prefill: bool = False) -> Headroom:
     """The local bound for a turn whose D runs `streams` streams, queues `waiting` requests and is prefilling
-    `in_flight` local tokens already; `cap` (the setting) bounds it always, 0 turns the local path off."""
+    `in_flight` local tokens already; `cap` (the setting) bounds it always, 0 turns the local path off.
+    `else_whole_prefill`: D's cache holds the history but no handle does, so the P path would prefill the whole
+    history again and D read all of it; D computing the suffix itself is then the cheaper load on D too, and only
+    D's queue bounds it (H200: such turns took 350-550 ms to a first token through P, local ones 100-200 ms)."""
     budget = int(itl_budget_s * prefill_tokens_per_s) if prefill_tokens_per_s else 0
     floor = min(cap, FLOOR_TOKENS)
     if cap <= 0:
         bound = 0
     elif waiting > 0:
         bound = floor
-    elif streams == 0 and in_flight == 0:
+    elif (streams == 0 and in_flight == 0) or else_whole_prefill:
         bound = cap
     else:
         bound = min(cap, max(floor, budget - in_flight))
     return Headroom(bound, streams, waiting, in_flight, budget)
 
 
-def for_decode(decode: Engine, cap: int, itl_budget_ms: float, prefill_tokens_per_s: float | None) -> Headroom:
+def for_decode(decode: Engine, cap: int, itl_budget_ms: float, prefill_tokens_per_s: float | None, *,
+               else_whole_prefill: bool = False) -> Headroom:
     """`local_bound` from what the gateway knows of `decode`: its own streams and local prefills in flight there,
     and D's running and waiting requests as its /metrics last said (the health loop's scrape)."""
     dp = decode.data_plane
     streams = max(decode.outstanding_requests, int(dp.requests_running or 0) if dp else 0)
     waiting = int(dp.requests_queued) if dp else 0
     return local_bound(cap, itl_budget_ms / 1000, prefill_tokens_per_s, streams=streams, waiting=waiting,
-                       in_flight=decode.local_prefill_tokens)
+                       in_flight=decode.local_prefill_tokens, else_whole_prefill=else_whole_prefill)
