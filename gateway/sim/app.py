@@ -102,7 +102,7 @@ def create_sim_app(settings: SimSettings) -> Litestar:
             return await _park(request, counted=True)   # a declined read under `recompute`: never rescheduled
 
     async def _park(request: Request, *, counted: bool) -> Response:
-        """Unanswered until the client leaves; `counted`: as waiting, reason 'deferred' (docs/vllm-findings.md, 5, 8)."""
+        """Unanswered until the client leaves; `counted`: as waiting, reason 'deferred' (vllm-findings.md 5, 8)."""
         engine.waiting, engine.deferred = engine.waiting + counted, engine.deferred + counted
         try:
             await _until_disconnect(request)
