@@ -50,6 +50,7 @@ from loadwork import SHAPES  # noqa: E402
 # so that arm runs last and its pins burden only itself; the gateway's conversations are dropped after each point.
 ARMS = (stats.GATEWAY, stats.COLOC, stats.COLOC2, stats.STATELESS)
 ADMIN_KEY = "pdgw-bench-admin"     # the bench's gateways' --admin-key (serve.sh, loadsim.py): conversations dropped
+DEFAULT_POINTS = "chat:c8,chat:c64,long:c32,agent:c16"
 ENGINE_COUNTERS = {"preemptions": "vllm:num_preemptions_total", "nixl_failed": "vllm:nixl_num_failed_transfers_total",
                    "kv_expired": "vllm:nixl_num_kv_expired_reqs_total"}
 
@@ -175,7 +176,7 @@ def judge(samples: list, coloc: str, model: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, urls: dict[str, str], engines: dict[str, list[str]], note: str) -> dict[str, Any]:
-    points = parse_points(args.points, args.duration_s, args.think_scale, args.scale, args.seed)
+    points = parse_points(args.points or DEFAULT_POINTS, args.duration_s, args.think_scale, args.scale, args.seed)
     run_tag = uuid.uuid4().hex[:6]
     result: dict[str, Any] = {"title": args.title, "note": note, "points": [], "samples": []}
     samples: list = []
@@ -243,7 +244,8 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--admin-key", default=ADMIN_KEY, help="the gateway's admin key (its conversations dropped)")
     ap.add_argument("--only", help="ARM[,ARM]: run only these of the arms given")
     ap.add_argument("--engines", action="append", default=[], help="ARM=URL,URL: the engines whose /metrics count")
-    ap.add_argument("--points", default="chat:c8,chat:c64,long:c32,agent:c16")
+    ap.add_argument("--points", help=f"WORKLOAD:cN|oR[,...] (default: {DEFAULT_POINTS}; with "
+                    "--sim, the size's)")
     ap.add_argument("--duration-s", type=float, default=60.0, help="per arm and point: no new turn after this")
     ap.add_argument("--think-scale", type=float, default=1.0, help="think times x this (0: none)")
     ap.add_argument("--scale", type=float, default=1.0, help="every workload length x this (the simulators' sizes)")

@@ -40,7 +40,8 @@ EVENTS = ["--kv-events-config", '{"enable_kv_cache_events":true,"publisher":"zmq
 def run_on_sims(args: argparse.Namespace, run: Callable[..., dict[str, Any]]) -> dict[str, Any]:
     size = "smoke" if args.smoke else "quick" if args.quick else "full"
     scale, points, duration, think, blocks = SIZES[size]
-    args.scale, args.points, args.duration_s, args.think_scale = scale, points, duration, think
+    args.scale, args.duration_s, args.think_scale = scale, duration, think
+    args.points = args.points or points                 # points given on the command line win
     args.model, args.title = "demo", f"load bench on timed simulators ({size})"
     args.turn_timeout_s = min(args.turn_timeout_s, 60.0)
     flags = [*ENGINE, *TIMING]

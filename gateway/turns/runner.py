@@ -174,7 +174,10 @@ class TurnRunner:
         hit = plans.local_hit(turn.plan, prompt, record.block_size)
         if turn.plan.d_cached is not None:        # within the verified prefix already, whole blocks
             hit = min(turn.plan.d_cached, prompt - 1) // record.block_size * record.block_size
-        bound = self.local_bound(turn, else_whole_prefill=known and turn.plan.handle is None)
+        # no handle, and D's cache holds the whole history: only the new part is D's to compute, where P would
+        # prefill all of it again (a history D evicted in part stays on P: computing it would stall D's streams)
+        held = record.held_tokens // record.block_size * record.block_size
+        bound = self.local_bound(turn, else_whole_prefill=known and turn.plan.handle is None and hit >= held)
         fits = (0 < prompt - hit <= bound and turn.decode is not None
                 and turn.decode.url == record.decode_engine
                 and (hit > 0 if known else turn.plan.kind in (PlanKind.REUSE, PlanKind.PARTIAL)))

@@ -41,9 +41,10 @@ def local_bound(cap: int, itl_budget_s: float, prefill_tokens_per_s: float | Non
                 in_flight: int, else_whole_prefill: bool = False) -> Headroom:
     """The local bound for a turn whose D runs `streams` streams, queues `waiting` requests and is prefilling
     `in_flight` local tokens already; `cap` (the setting) bounds it always, 0 turns the local path off.
-    `else_whole_prefill`: D's cache holds the history but no handle does, so the P path would prefill the whole
-    history again and D read all of it; D computing the suffix itself is then the cheaper load on D too, and only
-    D's queue bounds it (H200: such turns took 350-550 ms to a first token through P, local ones 100-200 ms)."""
+    `else_whole_prefill`: D's cache holds the whole history but no handle does, so the P path would prefill the
+    whole history again and D read all of it; D computing the new part itself is then the cheaper load on D too,
+    and only D's queue bounds it (H200: such turns took 350-550 ms to a first token through P, local ones
+    100-200 ms)."""
     budget = int(itl_budget_s * prefill_tokens_per_s) if prefill_tokens_per_s else 0
     floor = min(cap, FLOOR_TOKENS)
     if cap <= 0:
