@@ -103,11 +103,8 @@ def create_sim_app(settings: SimSettings) -> Litestar:
 
     async def _park(request: Request, *, counted: bool) -> Response:
         """Unanswered until the client leaves; `counted`: as waiting, reason 'deferred' (vllm-findings.md 5, 8)."""
-        engine.waiting, engine.deferred = engine.waiting + counted, engine.deferred + counted
-        try:
+        with engine.waiting_meanwhile(deferred=True, seated=False) if counted else contextlib.nullcontext():
             await _until_disconnect(request)
-        finally:
-            engine.waiting, engine.deferred = engine.waiting - counted, engine.deferred - counted
         return Response(content=b"", status_code=499)
 
     @post("/v1/chat/completions", status_code=200)

@@ -206,15 +206,17 @@ class Engine:
         return slots
 
     @contextlib.contextmanager
-    def waiting_meanwhile(self, *, deferred: bool = False) -> Iterator[None]:
-        """A seated request counted as waiting, not running, meanwhile, as vLLM's scheduler keeps it in its waiting
-        queues; `deferred`: waiting for a KV transfer (WAITING_FOR_REMOTE_KVS, in vLLM's skipped-waiting queue and
-        its metrics' reason "deferred": v1/core/sched/scheduler.py make_stats, v1/metrics/loggers.py)."""
-        self.running, self.waiting, self.deferred = self.running - 1, self.waiting + 1, self.deferred + deferred
+    def waiting_meanwhile(self, *, deferred: bool = False, seated: bool = True) -> Iterator[None]:
+        """A request counted as waiting meanwhile (a `seated` one not as running then), as vLLM's scheduler keeps it
+        in its waiting queues; `deferred`: waiting for a KV transfer (WAITING_FOR_REMOTE_KVS, in vLLM's
+        skipped-waiting queue and its metrics' reason "deferred": v1/core/sched/scheduler.py make_stats,
+        v1/metrics/loggers.py)."""
+        self.running, self.waiting, self.deferred = self.running - seated, self.waiting + 1, self.deferred + deferred
         try:
             yield
         finally:
-            self.running, self.waiting, self.deferred = self.running + 1, self.waiting - 1, self.deferred - deferred
+            self.running += seated
+            self.waiting, self.deferred = self.waiting - 1, self.deferred - deferred
 
     def _leave(self, *, failed: bool = False, aborted: bool = False) -> None:
         self.running -= 1
