@@ -48,10 +48,10 @@ from gateway.telemetry import Metrics  # noqa: E402
 from gateway.turns.intake.continued import Continuation  # noqa: E402
 from gateway.turns.intake.generated import remember  # noqa: E402
 from gateway.turns.intake.intake import Intake  # noqa: E402
-from gateway.turns.intake.messages import MessageCache  # noqa: E402
+from gateway.turns.intake.message_cache import MessageCache  # noqa: E402
 from gateway.turns.intake.render import Renderer  # noqa: E402
 from gateway.turns.legs.capture import DecodeCapture  # noqa: E402
-from gateway.turns.state.responses import StoredResponses  # noqa: E402
+from gateway.turns.state.stored_responses import StoredResponses  # noqa: E402
 from bench.servers import Servers, metrics  # noqa: E402
 from tests.e2e.agent import AGENT_SIM, add_tool_deltas, system_prompt, tool_result, tools  # noqa: E402
 

@@ -48,12 +48,12 @@ from gateway.store import MemoryConversationStore  # noqa: E402
 from gateway.telemetry import Metrics  # noqa: E402
 from gateway.turns.intake.continued import Continuation  # noqa: E402
 from gateway.turns.legs.capture import DecodeCapture  # noqa: E402
-from gateway.turns.state.responses import StoredResponses  # noqa: E402
+from gateway.turns.state.stored_responses import StoredResponses  # noqa: E402
 from gateway.engines.client import _encode  # noqa: E402
 from gateway.turns.intake.generated import answer, remember  # noqa: E402
 from gateway.turns.intake.intake import Intake  # noqa: E402
 from gateway.turns.legs.bodies import decode_body, prefill_body  # noqa: E402
-from gateway.turns.intake.messages import MessageCache  # noqa: E402
+from gateway.turns.intake.message_cache import MessageCache  # noqa: E402
 from gateway.turns.intake.render import Renderer  # noqa: E402
 
 STAGES = ("parse", "render", "generated", "legs")

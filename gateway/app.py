@@ -18,7 +18,7 @@ from litestar.di import Provide
 from gateway.api.admin import ADMIN_ROUTES
 from gateway.api.auth import ApiKeys
 from gateway.api.operational import metrics_listener
-from gateway.api.errors import HANDLERS
+from gateway.api.error_shapes import HANDLERS
 from gateway.api.messages_routes import MESSAGES_ROUTES
 from gateway.api.responses_routes import RESPONSES_ROUTES
 from gateway.api.routes import ROUTES, Gateway
@@ -36,7 +36,7 @@ from gateway.telemetry import Metrics
 from gateway.tracing import Tracing, start_tracing
 from gateway.turns.legs.calibration import PROBE_TEXT, RateProbe
 from gateway.turns.legs.calls import EngineCalls
-from gateway.turns.admin import ConversationAdmin, EngineAdmin
+from gateway.turns.admin_actions import ConversationAdmin, EngineAdmin
 from gateway.turns.intake.continued import Continuation
 from gateway.turns.intake.intake import Intake
 from gateway.turns.legs.release import HandleReleaser
@@ -45,7 +45,7 @@ from gateway.turns.state.budget import PinBudget
 from gateway.turns.state.earning import PinEarnings
 from gateway.turns.state.pins import PinLedger
 from gateway.turns.state.replicas import ReplicaShare
-from gateway.turns.state.responses import StoredResponses
+from gateway.turns.state.stored_responses import StoredResponses
 from gateway.turns.state.state import ConversationState
 from gateway.turns.runner import TurnRunner
 

@@ -14,7 +14,7 @@ from litestar.params import FromPath, FromQuery, JSONBody
 
 from gateway.config import DEFAULT_TENANT, Settings
 from gateway.errors import AuthenticationError, InvalidRequestError, NotFoundError
-from gateway.turns.admin import ConversationAdmin, ConversationKey, EngineAdmin
+from gateway.turns.admin_actions import ConversationAdmin, ConversationKey, EngineAdmin
 
 
 def _authorize(request: Request, settings: Settings) -> None:

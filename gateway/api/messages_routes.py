@@ -1,5 +1,5 @@
 """`POST /v1/messages`: Anthropic's Messages API over the chat turn (translation in messages.py, events in
-message_events.py), its errors in Anthropic's shape: {"type": "error", "error": {"type", "message"}} (api/errors.py
+message_events.py), its errors in Anthropic's shape: {"type": "error", "error": {"type", "message"}} (api/error_shapes.py
 answers so on every `/v1/messages*` path).
 
 The conversation is named as for chat (api/sessions.py: the session header, an agent's own header such as
@@ -20,7 +20,7 @@ from gateway.api.message_events import MessageEvents
 from gateway.api.routes import Gateway, _request_id, _respond, dropped_tools, named_session
 from gateway.api.schemas import ChatRequest, parse
 from gateway.api.sessions import session_id
-from gateway.turns.admin import ConversationKey
+from gateway.turns.admin_actions import ConversationKey
 from gateway.turns.intake.clock import TurnClock
 
 _encode = msgspec.json.Encoder().encode

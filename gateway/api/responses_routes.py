@@ -27,7 +27,7 @@ from gateway.api.response_events import ResponseEvents
 from gateway.api.routes import Gateway, _request_id, _respond, dropped_tools, named_session
 from gateway.api.schemas import ChatRequest, parse
 from gateway.api.sessions import session_id
-from gateway.turns.admin import ConversationKey
+from gateway.turns.admin_actions import ConversationKey
 from gateway.turns.intake.clock import TurnClock
 from gateway.turns.intake.continued import Previous, Thread
 from gateway.turns.intake.request import TurnRequest

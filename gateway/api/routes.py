@@ -23,12 +23,12 @@ from gateway.api.validation import check_stop
 from gateway.config import Settings
 from gateway.telemetry import Metrics
 from gateway.turns.intake.clock import TurnClock
-from gateway.turns.admin import ConversationKey
+from gateway.turns.admin_actions import ConversationKey
 from gateway.turns.intake.continued import Continuation
 from gateway.turns.intake.intake import Intake
 from gateway.turns.intake.request import TurnRequest
 from gateway.turns.runner import TurnRunner
-from gateway.turns.state.responses import StoredResponses
+from gateway.turns.state.stored_responses import StoredResponses
 from gateway.turns.turn import TurnReply
 
 Readiness = Callable[[], Awaitable[dict[str, Any]]]

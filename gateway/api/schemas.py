@@ -10,7 +10,7 @@ import msgspec
 from gateway.api import jsontext, ranges
 from gateway.api.validation import check_message, check_sampling
 from gateway.errors import InvalidRequestError
-from gateway.turns.intake.messages import KnownMessage, MessageCache, Messages
+from gateway.turns.intake.message_cache import KnownMessage, MessageCache, Messages
 
 _decode = msgspec.json.Decoder().decode
 _decode_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
@@ -63,7 +63,7 @@ _MISSING = re.compile(r"missing required field `([^`]*)`")
 def parse(raw: bytes, schema: type[msgspec.Struct], *, cache: MessageCache | None = None) -> tuple[dict[str, Any], Any]:
     """→ (the body as a dict, for forwarding; the validated struct). Errors name the offending field.
 
-    A chat request's messages are decoded one by one, and only those not seen before (`turns/intake/messages.py`):
+    A chat request's messages are decoded one by one, and only those not seen before (`turns/intake/message_cache.py`):
     a continuous turn resends its whole history, which is then found rather than decoded and checked again.
     `cache`: where they are found (default: this process's `MESSAGES`)."""
     try:

@@ -60,7 +60,7 @@ def _head(system: bytes | None, tools: Any, body: dict[str, Any]) -> str:
         first = messages[0] if messages else None
         system = b""
         if isinstance(first, dict) and first.get("role") in ("system", "developer"):
-            known = getattr(messages, "known", None)     # parsed messages carry their bytes (intake/messages.py)
+            known = getattr(messages, "known", None)     # parsed messages carry their bytes (intake/message_cache.py)
             system = known[0].json if known else _encode(first)
     digest = blake2b(system, digest_size=8)
     if tools:

@@ -107,7 +107,7 @@ def test_whether_an_answer_splits_is_kept_per_tokenizer():
     import msgspec
 
     from gateway.api.schemas import ChatRequest, parse
-    from gateway.turns.intake.messages import MessageCache
+    from gateway.turns.intake.message_cache import MessageCache
     from tests.unit.test_render_incremental import TOKENIZERS
 
     demo, deepseek = Renderer("builtin:demo"), Renderer(*TOKENIZERS["deepseek"]())

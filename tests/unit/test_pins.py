@@ -131,7 +131,7 @@ async def test_a_conversations_own_handle_is_replaced_not_evicted():
 
 
 async def test_deleting_a_conversation_takes_its_pin_out_of_d_s_budget():
-    from gateway.turns.admin import ConversationAdmin
+    from gateway.turns.admin_actions import ConversationAdmin
     state, releaser, metrics = make_state(capacity=100)
     await turn(state, "a", 16)
     assert value(metrics, "pdgw_pinned_tokens", engine=D_NAME) == 16

@@ -1,4 +1,4 @@
-"""A turn's prompt continued from the conversation's previous one (turns/intake/prompts.py, turns/intake/messages.py) must be
+"""A turn's prompt continued from the conversation's previous one (turns/intake/prompts.py, turns/intake/message_cache.py) must be
 exactly the prompt rendered and encoded whole: for every tokenizer and template the start-up check accepts,
 turn after turn, with regenerations, edits and truncations, with tool calls, and with past answers spliced in
 as the ids D generated (history_tokens "generated")."""
@@ -378,7 +378,7 @@ def test_the_first_turn_with_answers_continues_the_plain_prompt_and_an_edit_the_
 
 
 def test_known_messages_and_decoded_answers_are_bounded() -> None:
-    from gateway.turns.intake.messages import MessageCache
+    from gateway.turns.intake.message_cache import MessageCache
     from gateway.turns.intake.render import _Decoded
 
     cache = MessageCache(max_bytes=20_000)

@@ -1,4 +1,4 @@
-"""turns/state/responses.py: a stored response keeps D's exact ids (prompt + output) and the conversation's
+"""turns/state/stored_responses.py: a stored response keeps D's exact ids (prompt + output) and the conversation's
 messages; a continued turn's prompt is those ids and the new items, from this process's cache or, in another
 process, from the store's bytes, alike; tenants, deletes and expired responses are 404s; two branches from one
 response do not see each other's tokens."""
@@ -19,7 +19,7 @@ from gateway.turns.intake.continued import Continuation
 from gateway.turns.intake.intake import Intake
 from gateway.turns.intake.render import Renderer
 from gateway.turns.legs.capture import DecodeCapture
-from gateway.turns.state.responses import StoredResponses
+from gateway.turns.state.stored_responses import StoredResponses
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from gateway.api.schemas import ChatRequest, parse
 from gateway.errors import InvalidRequestError
-from gateway.turns.intake.messages import MessageCache
+from gateway.turns.intake.message_cache import MessageCache
 from gateway.turns.intake.render import PROBES, Renderer, normalize_message
 from tests.unit.test_render_incremental import TEXT, TOKENIZERS
 

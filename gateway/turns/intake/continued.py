@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Previous:
-    """A stored response, as the turn that continues it needs it (loaded by turns/state/responses.py)."""
+    """A stored response, as the turn that continues it needs it (loaded by turns/state/stored_responses.py)."""
     response_id: str
     session: str
     model: str

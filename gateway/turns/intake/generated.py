@@ -31,7 +31,7 @@ from typing import Any
 
 from gateway.errors import InvalidRequestError
 from gateway.store import Answer
-from gateway.turns.intake.messages import memo
+from gateway.turns.intake.message_cache import memo
 from gateway.turns.intake.prompts import text_hash
 from gateway.turns.intake.tools import TOOL_BLOCK, calls_key, parse_generated, same_calls
 

@@ -8,7 +8,7 @@ import msgspec
 
 from gateway.errors import InvalidRequestError, ModelNotFoundError
 from gateway.turns.intake.context import COMPLETIONS_DEFAULT_MAX_TOKENS, ContextLimit, longest_token_chars
-from gateway.turns.intake.messages import Messages
+from gateway.turns.intake.message_cache import Messages
 from gateway.turns.intake.prompts import Lineage
 from gateway.turns.intake.request import Endpoint, TurnRequest
 from gateway.turns.intake.render import Renderer

@@ -30,7 +30,7 @@ from typing import Any
 from gateway.errors import InvalidRequestError
 from gateway.store import Answer
 from gateway.turns.intake.generated import answer, substitutions, text_of, tool_answer
-from gateway.turns.intake.messages import each
+from gateway.turns.intake.message_cache import each
 from gateway.turns.intake.pieces import DEFAULT_CACHE_TOKENS, PieceEncoder, TokenIds, exact_specials
 from gateway.turns.intake.prompts import DEFAULT_PREFIX_BYTES, Lineage, PromptEncoder
 from gateway.turns.intake.template import DirectTemplate

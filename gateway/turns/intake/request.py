@@ -46,7 +46,7 @@ class TurnRequest:
         """The body both legs start from, its bulky parts (the history, the ids) encoded once for both."""
         body = dict(self.body)
         messages = body.get("messages")
-        if isinstance(messages, list):     # parsed messages carry their encoding already (turns/intake/messages.py)
+        if isinstance(messages, list):     # parsed messages carry their encoding already (turns/intake/message_cache.py)
             body["messages"] = msgspec.Raw(getattr(messages, "json", None) or msgspec.json.encode(messages))
         return body
 

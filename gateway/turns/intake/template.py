@@ -23,7 +23,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from gateway.turns.intake.messages import each
+from gateway.turns.intake.message_cache import each
 
 log = logging.getLogger(__name__)
 

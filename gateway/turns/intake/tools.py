@@ -22,7 +22,7 @@ from hashlib import blake2b
 from typing import Any
 
 from gateway.errors import InvalidRequestError
-from gateway.turns.intake.messages import memo
+from gateway.turns.intake.message_cache import memo
 
 TOOL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 _KEY_PERSON = b"pdgw-tool-calls"     # a hash domain of its own: no answer text can hash to a tool-call key
