@@ -112,7 +112,7 @@ async def _lifespan(app: Litestar, settings: Settings, tracing: Tracing,
         state.conversations = ConversationAdmin(store, runner.releaser, runner.state.pins)
         state.readiness = lambda: _readiness(store, prefill, decode)
         registry = EngineRegistry(prefill, decode, health, state.metrics)
-        state.fleet = EngineAdmin(prefill, decode, registry)
+        state.fleet = EngineAdmin(prefill, decode, registry, runner.state.pins)
         checker = asyncio.create_task(health.run())
         ledger = runner.state.pins.pins
         sharing = asyncio.create_task(ReplicaShare(store, ledger.budget).run()) if ledger is not None else None

@@ -26,9 +26,9 @@ DEFAULT_SESSION_HEADER = "X-Session-Id"
 # header; for other providers it sends X-Session-Id, the default --session-header).
 DEFAULT_AGENT_SESSION_HEADERS = ["X-Dynamo-Session-Id", "X-Claude-Code-Session-Id", "session_id", "session-id",
                                  "thread-id", "x-opencode-session"]
-DEFAULT_DECODER_KV_BLOCKS_TTL_S = 480.0
+VLLM_DECODER_KV_BLOCKS_TTL_S = 480.0        # vLLM's decoder_kv_blocks_ttl default (nixl)
 DEFAULT_HANDLE_TTL_MARGIN_S = 30.0
-DEFAULT_DECODE_KV_LEASE_S = 30.0           # vLLM's kv_lease_duration default
+VLLM_KV_LEASE_S = 30.0                     # vLLM's kv_lease_duration default (nixl/base_scheduler.py:82-86)
 READ_DECLINE_MARGIN_S = 5.0                # vLLM declines a read of a handle within this of its expiry
 DEFAULT_DECODE_PIN_BUDGET = 0.5
 # The holder D computes a warm turn's new suffix itself up to this many tokens (the local path, issue 24): the cap;
@@ -80,8 +80,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     agent_session_headers: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_AGENT_SESSION_HEADERS))
     conversation_lookup: ConversationLookup = "both"  # session id, token prefix (no session id), or both
     session_scope: SessionScope = "head"          # a session id names one conversation per system prompt + tools
-    decoder_kv_blocks_ttl_s: NonNegativeSeconds = DEFAULT_DECODER_KV_BLOCKS_TTL_S
-    decode_kv_lease_s: NonNegativeSeconds = DEFAULT_DECODE_KV_LEASE_S  # D's kv_lease_duration (local-turn handles)
+    decoder_kv_blocks_ttl_s: NonNegativeSeconds = VLLM_DECODER_KV_BLOCKS_TTL_S
+    decode_kv_lease_s: NonNegativeSeconds = VLLM_KV_LEASE_S  # D's kv_lease_duration (local-turn handles)
     handle_ttl_margin_s: NonNegativeSeconds = DEFAULT_HANDLE_TTL_MARGIN_S
     conversation_ttl_s: Seconds = 86400.0
     decode_pin_budget: Fraction = DEFAULT_DECODE_PIN_BUDGET  # of D's KV blocks its stored handles may pin; 0: off

@@ -27,7 +27,8 @@ from gateway.config import Settings, mask_url
 from gateway.engines.client import EngineClient
 from gateway.engines.engine import Engine
 from gateway.engines.pool import EnginePool
-from gateway.engines.probe import PINNED_IDS, PROBE_TIMEOUT_S, honours_pinned_ids, probe, tokenize_chat
+from gateway.engines.facts import KvTransfer
+from gateway.engines.probe import PROBE_TIMEOUT_S, honours_pinned_ids, probe, tokenize_chat
 from gateway.engines.transfer import (ModeVerdict, PushIdentities, Seen, decide, describe, mode_findings, mode_of,
                                       preflight, push_target)
 from gateway.errors import GatewayError
@@ -47,8 +48,6 @@ PROBE_MESSAGES = [
 PINNED_PROBE_MESSAGES = [*PROBE_MESSAGES[:2], {"role": "user", "content": "No, thank you: that was all."}]
 # The protocol notes once said recompute on P; real vLLM 0.32 parks a declined read under it (docs/vllm-findings.md #8)
 RECOMMENDED_POLICY = {"prefill": "fail", "decode": "fail"}
-VLLM_DEFAULT_DECODER_KV_BLOCKS_TTL_S = 480.0
-VLLM_DEFAULT_KV_LEASE_S = 30.0
 # The kv_role an engine must have to serve a pool (kv_both serves either).
 ROLES = {"prefill": ("kv_producer", "kv_both"), "decode": ("kv_consumer", "kv_both")}
 Level = Literal["ok", "warn", "fail"]
@@ -70,7 +69,7 @@ class EngineReport:
     block_size: int | None = None
     models: list[str] = field(default_factory=list)
     max_model_len: int | None = None              # from /v1/models
-    kv_transfer: dict[str, Any] | None = None     # from /server_info, when the engine exposes it
+    kv_transfer: KvTransfer | None = None         # from /server_info, when the engine exposes it
     parity: Literal["match", "mismatch", "unknown"] = "unknown"
     parity_detail: str = ""
     pinned_ids: bool | None = None                # uses kv_transfer_params.prompt_token_ids (None: unknown)
@@ -78,13 +77,13 @@ class EngineReport:
 
     @property
     def bidirectional(self) -> bool | None:
-        return self.kv_transfer["bidirectional"] if self.kv_transfer else None
+        return self.kv_transfer.bidirectional if self.kv_transfer else None
 
     def line(self) -> str:
         if not self.reachable:
             return f"{self.role:<8} {self.url}  unreachable"
         bidi = {True: "on", False: "off", None: "unknown"}[self.bidirectional]
-        policy = self.kv_transfer["failure_policy"] if self.kv_transfer else "unknown"
+        policy = self.kv_transfer.failure_policy if self.kv_transfer else "unknown"
         return (f"{self.role:<8} {self.url}  vLLM {self.version or '?'}  block size {self.block_size or '?'}  "
                 f"bidirectional {bidi}  load-failure policy {policy}  "
                 f"template parity {self.parity}{f' ({self.parity_detail})' if self.parity_detail else ''}"
@@ -122,7 +121,7 @@ class StartupReport:
 
 # -- gathering ---------------------------------------------------------------------------------------
 class PinnedIdsProof:
-    """Proves, engine by engine, that it uses the prompt ids it is sent (`Engine.info[PINNED_IDS]`); until then, and
+    """Proves, engine by engine, that it uses the prompt ids it is sent (`EngineFacts.pinned_ids`); until then, and
     while a proof runs, the engine is unproven: its legs carry the whole history, and its P legs keep the echo
     and the parity check."""
 
@@ -132,17 +131,17 @@ class PinnedIdsProof:
         self._running: set[asyncio.Task] = set()
 
     async def prove(self, engine: Engine) -> bool | None:
-        engine.info[PINNED_IDS] = False
+        engine.facts.pinned_ids = False
         if self.pinned is None:
             return None
-        model = self.model or next(iter(engine.info.get("models") or ()), None)
+        model = self.model or engine.facts.served_model
         result = await honours_pinned_ids(self.client, engine, PROBE_MESSAGES, self.pinned, model)
-        engine.info[PINNED_IDS] = result is True
+        engine.facts.pinned_ids = result is True
         return result
 
     def engine_back(self, engine: Engine) -> None:
         """The health checker's hook: an engine back in rotation may be another vLLM; unproven until shown."""
-        engine.info[PINNED_IDS] = False          # at once: a turn picking it now keeps the check
+        engine.facts.pinned_ids = False          # at once: a turn picking it now keeps the check
         task = asyncio.create_task(self.prove(engine))
         self._running.add(task)
         task.add_done_callback(lambda done: self._logged(done, engine))
@@ -226,9 +225,9 @@ async def _engine_report(client: EngineClient, engine: Engine, expected: list[in
         await client.get(engine.url, "/health", timeout_s=PROBE_TIMEOUT_S)
     except GatewayError:
         return EngineReport(mask_url(engine.url), engine.role, reachable=False)
-    info = await probe(client, engine)
-    report = EngineReport(mask_url(engine.url), engine.role, True, info.get("version"), info.get("block_size"),
-                          info.get("models") or [], info.get("max_model_len"), info.get("kv_transfer"))
+    read = await probe(client, engine)
+    report = EngineReport(mask_url(engine.url), engine.role, True, read.version, read.block_size, read.models,
+                          read.max_model_len, read.kv_transfer)
     if expected is not None:
         served = model or next(iter(report.models), None)
         report.parity, report.parity_detail = _compare(expected, await tokenize_chat(client, engine,
@@ -311,7 +310,7 @@ def _transfer(reports: list[EngineReport], mode: ModeVerdict = ModeVerdict("pull
         out.append(Finding("warn", "bidirectional transfer could not be checked on some engines (vLLM shows its "
                                    "config at /server_info only with VLLM_SERVER_DEV_MODE=1)"))
     for r in up:
-        policy = r.kv_transfer["failure_policy"] if r.kv_transfer else None
+        policy = r.kv_transfer.failure_policy if r.kv_transfer else None
         if policy and policy != RECOMMENDED_POLICY[r.role]:
             # P under recompute never answers a read it declined (docs/vllm-findings.md #8): a hung turn
             level: Level = "fail" if r.role == "prefill" else "warn"
@@ -324,7 +323,7 @@ def _roles(reports: list[EngineReport]) -> list[Finding]:
     """An engine's kv_role must fit the pool it was given: P produces KV for D, D consumes it."""
     out = []
     for r in reports:
-        kv_role = r.kv_transfer.get("role") if r.reachable and r.kv_transfer else None
+        kv_role = r.kv_transfer.role if r.reachable and r.kv_transfer else None
         if kv_role and kv_role not in ROLES[r.role]:
             flag = "--prefill" if r.role == "prefill" else "--decode"
             out.append(Finding("fail", f"{r.url} is given as {flag} but its kv_role is {kv_role!r}: are "
@@ -338,12 +337,12 @@ def _decoder_ttl(reports: list[EngineReport], settings: Settings) -> list[Findin
     for r in reports:
         if r.role != "decode" or not r.reachable or not r.kv_transfer:
             continue
-        ttl = r.kv_transfer.get("decoder_kv_blocks_ttl") or VLLM_DEFAULT_DECODER_KV_BLOCKS_TTL_S
+        ttl = r.kv_transfer.ttl_s
         if ttl != settings.decoder_kv_blocks_ttl_s:
             out.append(Finding("fail", f"decode {r.url} has decoder_kv_blocks_ttl {ttl:g} s but the gateway's "
                                        f"--decoder-kv-blocks-ttl-s is {settings.decoder_kv_blocks_ttl_s:g} s: "
                                        "set them equal (a longer gateway value reads freed blocks)"))
-        lease = r.kv_transfer.get("kv_lease_duration") or VLLM_DEFAULT_KV_LEASE_S
+        lease = r.kv_transfer.lease_s
         if settings.local_prefill_max_tokens and lease != settings.decode_kv_lease_s:
             out.append(Finding("fail", f"decode {r.url} has kv_lease_duration {lease:g} s but the gateway's "
                                        f"--decode-kv-lease-s is {settings.decode_kv_lease_s:g} s: set them equal "

@@ -7,10 +7,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from gateway.engines.cache_index import CacheIndex, Knowledge
 from typing import Literal
 
+from gateway.engines.cache_index import CacheIndex, Knowledge
 from gateway.engines.dataplane import DataPlane
+from gateway.engines.facts import EngineFacts
 
 Role = Literal["prefill", "decode"]
 
@@ -56,7 +57,8 @@ class Engine:
     local_prefill_tokens: int = 0   # a D: tokens of this gateway's local turns it is prefilling (no first token yet)
     admitted_at: float = 0.0
     breaker: Breaker = field(default_factory=Breaker)
-    info: dict = field(default_factory=dict)      # /version, block size, served models: filled at start-up
+    facts: EngineFacts = field(default_factory=EngineFacts)    # what it says of itself, what was proven of it
+    pinned_blocks: int = 0          # a D: the blocks this gateway's stored handles pin there (state/pinning.py)
     # The last scrape of its /metrics (health loop): KV usage, queue, preemptions, NIXL reads. None: no answer.
     data_plane: DataPlane | None = None
     # What its prefix cache holds, from its KV events (kv_events.py); None: it publishes none (--kv-events)
@@ -79,13 +81,8 @@ class Engine:
         self.admitted_at = now
 
     def observe(self, data_plane: DataPlane | None) -> None:
-        """A scrape's readings (None: it did not answer, so nothing stale is shown); `info` carries the admin
-        view of them (`GET /admin/engines`)."""
+        """A scrape's readings (None: it did not answer, so nothing stale is shown)."""
         self.data_plane = data_plane
-        if data_plane is None:
-            self.info.pop("data_plane", None)
-        else:
-            self.info["data_plane"] = data_plane.summary()
 
     def succeeded(self) -> None:
         if self.breaker.success():

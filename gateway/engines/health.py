@@ -54,7 +54,7 @@ class HealthChecker:
                 log.warning("engine %s (%s) is now %s", engine.url, engine.role, "healthy" if ok else "unhealthy")
                 if ok:
                     engine.readmit(now)      # back in rotation, but taking traffic gradually
-                    engine.info.pop("num_gpu_blocks", None)    # maybe restarted with another KV size
+                    engine.facts.num_gpu_blocks = None    # maybe restarted with another KV size
                     for hook in self.on_readmit:
                         hook(engine)
             engine.healthy = ok
@@ -75,8 +75,8 @@ class HealthChecker:
                 continue
             capacity, readings = dataplane.parse(page)
             engine.observe(readings)
-            if engine.role == "decode" and not engine.info.get("num_gpu_blocks") and capacity.num_gpu_blocks:
-                engine.info["num_gpu_blocks"] = capacity.num_gpu_blocks
+            if engine.role == "decode" and not engine.facts.num_gpu_blocks and capacity.num_gpu_blocks:
+                engine.facts.num_gpu_blocks = capacity.num_gpu_blocks
 
     async def _metrics_page(self, url: str) -> str | None:
         try:

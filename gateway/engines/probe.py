@@ -13,38 +13,37 @@ from gateway.engines import kv
 from gateway.engines.capacity import kv_capacity
 from gateway.engines.client import EngineClient
 from gateway.engines.engine import Engine
+from gateway.engines.facts import EngineFacts, KvTransfer
 from gateway.errors import EngineTimeoutError, GatewayError
 
 PROBE_TIMEOUT_S = 3.0
 SERVER_INFO_TIMEOUT_S = 10.0        # vLLM serializes its whole config: slow on a busy engine just started
 SERVER_INFO_ATTEMPTS = 3            # a slow answer is retried: only an answer (or a 404) says what it shows
 PINNED_PROBE_TIMEOUT_S = 15.0       # it generates a token: an engine's first request can be slow
-PINNED_IDS = "pinned_ids"           # Engine.info key: True once the engine is proven to use pinned prompt ids
 
 
-async def probe(client: EngineClient, engine: Engine) -> dict[str, Any]:
-    """Fill `engine.info` with what could be read; missing pieces stay missing (the engine may be starting)."""
+async def probe(client: EngineClient, engine: Engine) -> EngineFacts:
+    """Read what the engine says of itself into `engine.facts`; missing pieces stay missing (the engine may be
+    starting). Returns what this probe read."""
     models, version, metrics, server_info = await asyncio.gather(
         _get(client, engine.url, "/v1/models"), _get(client, engine.url, "/version"),
         _get(client, engine.url, "/metrics"), server_info_of(client, engine.url))
-    info: dict[str, Any] = {}
+    read = EngineFacts()
     if models:
         data = _json(models).get("data")
         cards = [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
-        info["models"] = [m["id"] for m in cards if "id" in m]
+        read.models = [m["id"] for m in cards if "id" in m]
         if lengths := [m["max_model_len"] for m in cards if _positive_int(m.get("max_model_len"))]:
-            info["max_model_len"] = min(lengths)
+            read.max_model_len = min(lengths)
     if version:
-        info["version"] = _json(version).get("version")
+        read.version = _json(version).get("version")
     capacity = kv_capacity(metrics.decode("utf-8", "replace")) if metrics else None
-    if capacity and capacity.block_size:
-        info["block_size"] = capacity.block_size
-    if capacity and capacity.num_gpu_blocks:
-        info["num_gpu_blocks"] = capacity.num_gpu_blocks      # D's pin budget is a fraction of it
-    if server_info and (transfer := kv_transfer_of(server_info)) is not None:
-        info["kv_transfer"] = transfer
-    engine.info.update(info)
-    return info
+    if capacity:
+        read.block_size, read.num_gpu_blocks = capacity.block_size or None, capacity.num_gpu_blocks or None
+    if server_info:
+        read.kv_transfer = kv_transfer_of(server_info)
+    engine.facts.update(read)
+    return read
 
 
 async def server_info_of(client: EngineClient, url: str) -> dict[str, Any] | None:
@@ -60,7 +59,7 @@ async def server_info_of(client: EngineClient, url: str) -> dict[str, Any] | Non
     return None
 
 
-def kv_transfer_of(server_info: dict[str, Any]) -> dict[str, Any] | None:
+def kv_transfer_of(server_info: dict[str, Any]) -> KvTransfer | None:
     """The parts of vLLM's `kv_transfer_config` that matter for PD: connector, role, policy, bidirectional."""
     config = server_info.get("vllm_config")
     kv = config.get("kv_transfer_config") if isinstance(config, dict) else None
@@ -69,15 +68,14 @@ def kv_transfer_of(server_info: dict[str, Any]) -> dict[str, Any] | None:
     extra = kv.get("kv_connector_extra_config") or {}
     ttl, lease = extra.get("decoder_kv_blocks_ttl"), extra.get("kv_lease_duration")
     inner = extra.get("connectors")           # a MultiConnector's own connectors (docs/protocol.md §8.5)
-    return {"connector": kv.get("kv_connector"), "role": kv.get("kv_role"), "engine_id": kv.get("engine_id"),
-            "connectors": [c.get("kv_connector") for c in inner if isinstance(c, dict)]
-            if isinstance(inner, list) else [],
-            "failure_policy": kv.get("kv_load_failure_policy", "fail"),
-            "bidirectional": bool(extra.get("bidirectional_kv_xfer", False)),
-            # absent: vLLM's default (docs/protocol.md §1); D pins a finished turn's blocks this long
-            "decoder_kv_blocks_ttl": float(ttl) if isinstance(ttl, (int, float)) and ttl > 0 else None,
-            # absent: vLLM's default; D holds a local turn's KV this long (docs/protocol.md §9)
-            "kv_lease_duration": float(lease) if isinstance(lease, (int, float)) and lease > 0 else None}
+    inner = inner if isinstance(inner, list) else []
+    return KvTransfer(
+        connector=kv.get("kv_connector"), role=kv.get("kv_role"), engine_id=kv.get("engine_id"),
+        connectors=tuple(c.get("kv_connector") for c in inner if isinstance(c, dict)),
+        failure_policy=kv.get("kv_load_failure_policy", "fail"),
+        bidirectional=bool(extra.get("bidirectional_kv_xfer", False)),
+        decoder_kv_blocks_ttl=float(ttl) if isinstance(ttl, (int, float)) and ttl > 0 else None,
+        kv_lease_duration=float(lease) if isinstance(lease, (int, float)) and lease > 0 else None)
 
 
 async def tokenize_chat(client: EngineClient, engine: Engine, messages: list[dict[str, Any]],
@@ -104,7 +102,7 @@ async def honours_pinned_ids(client: EngineClient, engine: Engine, messages: lis
 
 def pinned_ids_proven(engine: Engine) -> bool:
     """A P leg on this engine needs no echo of its prompt to confirm parity: it uses the ids it is sent."""
-    return engine.info.get(PINNED_IDS) is True
+    return engine.facts.pinned_ids is True
 
 
 def _positive_int(value: Any) -> bool:

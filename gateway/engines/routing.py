@@ -99,11 +99,10 @@ def used_kv(engine: Engine, want: Want) -> float:
     stored handles pin there plus its outstanding prompts, or what D itself last reported in use
     (`vllm:kv_cache_usage_perc`: running requests too, and other replicas' pins), whichever is more. Idle
     conversations' pins fill a D long before its request count shows it; a D whose capacity is unknown scores 0."""
-    capacity = engine.info.get("num_gpu_blocks")
-    if not capacity:
+    capacity, block_size = engine.facts.num_gpu_blocks, engine.facts.block_size
+    if not capacity or not block_size:
         return 0.0
-    block_size = engine.info.get("block_size") or 16
-    in_use = engine.info.get("pinned_blocks", 0) + -(-engine.outstanding_tokens // block_size)
+    in_use = engine.pinned_blocks + -(-engine.outstanding_tokens // block_size)
     reading = engine.data_plane
     if reading is not None and reading.kv_cache_usage is not None:
         in_use = max(in_use, reading.kv_cache_usage * capacity)

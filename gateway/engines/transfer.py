@@ -28,6 +28,7 @@ from gateway.config import Settings, mask_url
 from gateway.engines import kv
 from gateway.engines.client import EngineClient
 from gateway.engines.engine import Engine
+from gateway.engines.facts import KvTransfer
 from gateway.engines.pool import EnginePool
 from gateway.engines.probe import PROBE_TIMEOUT_S, kv_transfer_of, server_info_of
 from gateway.errors import GatewayError
@@ -38,7 +39,6 @@ Mode = Literal["pull", "push"]
 Setting = Literal["auto", "pull", "push"]
 CONNECTOR_MODES: dict[str, Mode] = {"NixlConnector": "pull", "NixlPullConnector": "pull",
                                     "NixlPushConnector": "push"}
-PUSH_TARGET = "push_target"            # Engine.info key: P's kv.PushTarget, once learned
 IDENTITY_TIMEOUT_S = 15.0              # a P's first request can be slow (compilation, warm-up)
 PROBE_TOKEN_RANGE = (1, 100)           # ids every vocabulary has; random, so no prefix cache holds them
 
@@ -47,11 +47,11 @@ class TransferModeError(ValueError):
     """The engines' KV-transfer modes cannot work together (or contradict the setting): the gateway does not start."""
 
 
-def mode_of(kv_transfer: dict[str, Any] | None) -> Mode | None:
+def mode_of(kv_transfer: KvTransfer | None) -> Mode | None:
     """The mode an engine's `/server_info` names; None: not shown (no dev mode, or another connector)."""
-    if not kv_transfer:
+    if kv_transfer is None:
         return None
-    names = [kv_transfer.get("connector"), *(kv_transfer.get("connectors") or ())]
+    names = [kv_transfer.connector, *kv_transfer.connectors]
     modes = {CONNECTOR_MODES[n] for n in names if n in CONNECTOR_MODES}
     return modes.pop() if len(modes) == 1 else None
 
@@ -149,8 +149,7 @@ def describe(target: kv.PushTarget) -> str:
 
 def push_target(engine: Engine) -> kv.PushTarget | None:
     """P's identity as learned; None until it is (its push legs are then sent one after the other)."""
-    target = engine.info.get(PUSH_TARGET)
-    return target if isinstance(target, kv.PushTarget) else None
+    return engine.facts.push_target
 
 
 def remember(engine: Engine, handle: kv.Handle | None) -> kv.PushTarget | None:
@@ -159,7 +158,7 @@ def remember(engine: Engine, handle: kv.Handle | None) -> kv.PushTarget | None:
     if target is not None and target != push_target(engine):
         if push_target(engine) is not None:
             log.warning("prefill %s changed its push identity to %s (restarted?)", mask_url(engine.url), target)
-        engine.info[PUSH_TARGET] = target
+        engine.facts.push_target = target
     return push_target(engine)
 
 
@@ -171,7 +170,7 @@ class PushIdentities:
         self._running: set[asyncio.Task] = set()
 
     async def learn(self, prefill: Engine) -> kv.PushTarget | None:
-        prefill.info.pop(PUSH_TARGET, None)
+        prefill.facts.push_target = None
         rid = f"pdgw-identity-{secrets.token_hex(8)}"
         # more than a block, so that D has a whole block to register (its last token it computes itself)
         ids = [random.randrange(*PROBE_TOKEN_RANGE) for _ in range(self.block_size + 2)]
@@ -203,14 +202,14 @@ class PushIdentities:
         """The health checker's hook: a P back in rotation may be a restarted engine with a new identity."""
         if engine.role != "prefill":
             return
-        engine.info.pop(PUSH_TARGET, None)      # at once: a turn picking it now sends P first and learns it
+        engine.facts.push_target = None      # at once: a turn picking it now sends P first and learns it
         task = asyncio.create_task(self.learn(engine))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
     async def _post(self, engine: Engine, ids: list[int], rid: str, params: dict[str, Any]) -> dict[str, Any] | None:
         body: dict[str, Any] = {"prompt": ids, "max_tokens": 1, "stream": False, kv.WIRE_KEY: params}
-        if model := self.model or next(iter(engine.info.get("models") or ()), None):
+        if model := self.model or engine.facts.served_model:
             body["model"] = model
         try:
             return await self.client.post_json(engine.url, "/v1/completions", body, timeout_s=IDENTITY_TIMEOUT_S,

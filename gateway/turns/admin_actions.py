@@ -43,13 +43,24 @@ class ConversationAdmin:
 
 
 class EngineAdmin:
-    def __init__(self, prefill: EnginePool, decode: EnginePool, registry: EngineRegistry) -> None:
-        self.pools, self.registry = (prefill, decode), registry
+    def __init__(self, prefill: EnginePool, decode: EnginePool, registry: EngineRegistry,
+                 pins: Pinning | None = None) -> None:
+        self.pools, self.registry, self.pins = (prefill, decode), registry, pins
 
     def describe(self) -> list[dict[str, Any]]:
-        return [{"url": e.url, "role": e.role, "healthy": e.healthy, "outstanding_requests": e.outstanding_requests,
-                 "outstanding_prompt_tokens": e.outstanding_tokens, **e.info, **_cache(e)}
-                for pool in self.pools for e in pool.engines.values()]
+        return [self._one(e) for pool in self.pools for e in pool.engines.values()]
+
+    def _one(self, e: Engine) -> dict[str, Any]:
+        seen: dict[str, Any] = {"url": e.url, "role": e.role, "healthy": e.healthy,
+                                "outstanding_requests": e.outstanding_requests,
+                                "outstanding_prompt_tokens": e.outstanding_tokens, **e.facts.summary()}
+        if e.role == "decode":
+            seen["pinned_blocks"] = e.pinned_blocks
+        if e.data_plane is not None:
+            seen["data_plane"] = e.data_plane.summary()
+        if self.pins is not None and (pins := self.pins.summaries.get(e.url)) is not None:
+            seen["pins"] = pins
+        return {**seen, **_cache(e)}
 
     async def add(self, role: Role, url: str) -> dict[str, Any]:
         engine = await self.registry.add(role, url)

@@ -39,7 +39,6 @@ from gateway.turns.reuse.plan import Leg, Replan, Setback
 from gateway.turns.turn import Turn, TurnReply
 
 log = logging.getLogger("gateway.turn")
-VLLM_DEFAULT_KV_LEASE_S = 30.0      # P keeps unmatched finished blocks this long (nixl/base_scheduler.py:82-86)
 LEASE_MARGIN_S = 5.0                # a D redone this late might register after P's blocks are gone
 
 
@@ -65,8 +64,7 @@ class _Attempt:
         """Whether a D redone now still finds P's staged blocks (P's kv_lease_duration after P answered)."""
         if self.p_done_at is None:
             return True
-        lease = (self.prefill.info.get("kv_transfer") or {}).get("kv_lease_duration") or VLLM_DEFAULT_KV_LEASE_S
-        return now - self.p_done_at < lease - LEASE_MARGIN_S
+        return now - self.p_done_at < self.prefill.facts.lease_s - LEASE_MARGIN_S
 
 
 class PushLeg:

@@ -164,14 +164,14 @@ def test_no_handle_from_d_ends_the_probe():
 ])
 def test_the_probe_fits_the_engines(info, tokens):
     probe, _, _ = probe_with(Engines())
-    probe.decode.engines[D].info.update(info)
+    vars(probe.decode.engines[D].facts).update(info)
     assert probe._size(probe.prefill.engines[P], probe.decode.engines[D]) == tokens
 
 
 def test_a_pool_too_small_for_a_measurable_read_is_not_probed():
     engines = Engines()
     probe, _, _ = probe_with(engines)
-    probe.decode.engines[D].info.update(num_gpu_blocks=511, block_size=16)     # 1022 tokens: under 1024
+    vars(probe.decode.engines[D].facts).update(num_gpu_blocks=511, block_size=16)     # 1022 tokens: under 1024
     assert asyncio.run(probe.probe(probe.prefill.engines[P], probe.decode.engines[D])) is None
     assert engines.calls == []
 

@@ -53,7 +53,7 @@ class GatedStore(RedisConversationStore):
 def make_state(store: Any = None, capacity: int = 20, **settings: Any) -> tuple[ConversationState, Releaser]:
     settings_ = Settings(prefill=["http://p0"], decode=[D], **settings)
     decode = EnginePool("decode", settings_.decode)
-    decode.get(D).info["num_gpu_blocks"] = capacity        # a budget of 10 blocks of 4 tokens
+    decode.get(D).facts.num_gpu_blocks = capacity        # a budget of 10 blocks of 4 tokens
     releaser = Releaser()
     state = ConversationState(store=GatedStore() if store is None else store,  # type: ignore[arg-type]
                               decode=decode, releaser=releaser,  # type: ignore[arg-type]

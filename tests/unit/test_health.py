@@ -115,10 +115,10 @@ def test_a_ds_kv_capacity_is_read_once_it_reports_one():
         async with aiohttp.ClientSession() as session:
             checker = HealthChecker(EngineClient(session), [pool], Metrics(), interval_s=0.05)
             await checker.check_all()
-            seen.append(pool.engines[url].info.get("num_gpu_blocks"))
+            seen.append(pool.engines[url].facts.num_gpu_blocks)
             page["blocks"] = "1234"
             await checker.check_all()
-            seen.append(pool.engines[url].info.get("num_gpu_blocks"))
+            seen.append(pool.engines[url].facts.num_gpu_blocks)
         await runner.cleanup()
         return seen
 

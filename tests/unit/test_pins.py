@@ -38,7 +38,7 @@ def make_state(capacity: int | None, fraction: float = 0.5) -> tuple[Conversatio
     settings = Settings(prefill=["http://p0"], decode=[D])
     decode = EnginePool("decode", settings.decode)
     if capacity is not None:
-        decode.get(D).info["num_gpu_blocks"] = capacity
+        decode.get(D).facts.num_gpu_blocks = capacity
     releaser, metrics = Releaser(), Metrics()
     metrics.engine_names[D] = D_NAME
     state = ConversationState(store=MemoryConversationStore(), decode=decode, releaser=releaser,  # type: ignore[arg-type]
@@ -162,7 +162,7 @@ async def test_d_short_of_blocks_pins_nothing_and_its_next_turn_is_a_full_prefil
     assert sorted(releaser.released) == [(16, "evicted"), (16, "evicted")]
     assert value(metrics, "pdgw_pin_budget_blocks", engine=D_NAME) == 0
     assert value(metrics, "pdgw_pinned_tokens", engine=D_NAME) == 0
-    pins = holder.info["pins"]
+    pins = state.pins.summaries[D]
     assert pins["pressure_factor"] == 0.0 and pins["budget_blocks"] == 0 and pins["configured_budget_blocks"] == 50
     _, claim = await turn(state, "b", 20)
     assert claim.handle is None and claim.missing == Reason.NEVER_KEPT
@@ -177,7 +177,7 @@ async def test_a_used_handle_counts_its_saved_tokens():
     await state.record(request(20), key, found.start, Plan(PlanKind.REUSE, Reason.CONTINUOUS, 16),
                        Served("http://p0", D), capture(20, 1, 9))
     assert value(metrics, "pdgw_pin_saved_tokens_total", engine=D_NAME) == 16
-    info = state.decode_pool.get(D).info["pins"]
+    info = state.pins.summaries[D]
     assert info["used"] == 1 and info["saved_tokens"] == 16 and info["policy"] == "adaptive"
 
 

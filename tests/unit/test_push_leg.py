@@ -13,8 +13,6 @@ import pytest
 from gateway.config import Settings
 from gateway.engines import kv
 from gateway.engines.pool import EnginePool
-from gateway.engines.probe import PINNED_IDS
-from gateway.engines.transfer import PUSH_TARGET
 from gateway.errors import EngineConnectError, EngineFailedError, EngineTimeoutError, GatewayError
 from gateway.store import ConversationKey, MemoryConversationStore
 from gateway.telemetry import Metrics
@@ -138,9 +136,9 @@ async def built(world: PushWorld, *, retries: int = 2, known: bool = True, local
     store, metrics = MemoryConversationStore(), Metrics()
     prefill, decode = EnginePool("prefill", settings.prefill), EnginePool("decode", settings.decode)
     for engine in prefill.engines.values():
-        engine.info[PINNED_IDS] = True
+        engine.facts.pinned_ids = True
         if known:                         # what the start-up pair learned (engines/transfer.py)
-            engine.info[PUSH_TARGET] = kv.PushTarget(world.p_engine_id, engine.url[7:], 5600)
+            engine.facts.push_target = kv.PushTarget(world.p_engine_id, engine.url[7:], 5600)
     calls = EngineCalls(metrics)
     releaser = HandleReleaser(world, prefill, calls, metrics, "m")  # type: ignore[arg-type]
     state = ConversationState(store=store, decode=decode, releaser=releaser, metrics=metrics, settings=settings,
@@ -213,7 +211,7 @@ async def test_unknown_identity_sends_p_first_and_learns_it():
     (p, rid), (_, d_rid) = world.legs()
     assert rid == d_rid and reply.headers["X-PD-Plan"] == "full"
     assert world.written[rid].is_set()                              # P had answered when D went out
-    assert runner.prefill_pool.get(p).info[PUSH_TARGET] == kv.PushTarget("p-engine", p[7:], 5600)
+    assert runner.prefill_pool.get(p).facts.push_target == kv.PushTarget("p-engine", p[7:], 5600)
 
 
 # -- P's setbacks -------------------------------------------------------------------------------------------
@@ -321,7 +319,7 @@ async def test_a_restarted_p_with_a_new_identity_redoes_the_pair_and_is_learned(
     reply = await runner.run(req, KEY)
     (pa, rid_a), (pb, rid_b) = p_legs(world)
     assert rid_a != rid_b and reply.headers["X-PD-Reason"] == "first_turn"     # nobody blamed: no retry lost
-    assert pa == "http://p0" and runner.prefill_pool.get(pa).info[PUSH_TARGET].engine_id == "p-engine-2"
+    assert pa == "http://p0" and runner.prefill_pool.get(pa).facts.push_target.engine_id == "p-engine-2"
     assert world.calls[-1][2]["kv_transfer_params"]["remote_engine_id"] == world.renamed.get(pb, "p-engine")
 
 

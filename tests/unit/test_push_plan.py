@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.engines import kv
+from gateway.engines.facts import KvTransfer
 from gateway.engines.transfer import Seen, decide, mode_findings, mode_of
 from gateway.turns.reuse.continuity import Fingerprint
 from gateway.turns.reuse.pairing import PairStep, after_decode, after_prefill
@@ -28,7 +29,7 @@ HELD = list(range(50, 70))                  # D computed these last turn: R = 20
     (None, None),                                    # no /server_info (vLLM without VLLM_SERVER_DEV_MODE=1)
 ])
 def test_mode_of_server_info(kv_transfer, mode):
-    assert mode_of(kv_transfer) == mode
+    assert mode_of(None if kv_transfer is None else KvTransfer(**kv_transfer)) == mode
 
 
 P_PUSH, D_PUSH = Seen("prefill", "http://p", "push"), Seen("decode", "http://d", "push")
@@ -213,12 +214,12 @@ class IdentityClient:
 async def learned(mode: str = "push", decode_healthy: bool = True):
     from gateway.engines.engine import Engine
     from gateway.engines.pool import EnginePool
-    from gateway.engines.transfer import PUSH_TARGET, PushIdentities
+    from gateway.engines.transfer import PushIdentities
     client, decode = IdentityClient(mode), EnginePool("decode", ["http://d0"])
     decode.engines["http://d0"].healthy = decode_healthy
     prefill = Engine("http://p0", "prefill")
     target = await PushIdentities(client, decode, "m", 16).learn(prefill)        # type: ignore[arg-type]
-    return target, prefill.info.get(PUSH_TARGET), client.calls
+    return target, prefill.facts.push_target, client.calls
 
 
 async def test_ps_identity_is_learned_from_one_pair_that_leaves_nothing_held():
@@ -247,11 +248,11 @@ async def test_a_p_coming_back_is_unknown_at_once_and_learned_again():
 
     from gateway.engines.engine import Engine
     from gateway.engines.pool import EnginePool
-    from gateway.engines.transfer import PUSH_TARGET, PushIdentities
+    from gateway.engines.transfer import PushIdentities
     prefill = Engine("http://p0", "prefill")
-    prefill.info[PUSH_TARGET] = kv.PushTarget("old", "h", 1)
+    prefill.facts.push_target = kv.PushTarget("old", "h", 1)
     identities = PushIdentities(IdentityClient(), EnginePool("decode", ["http://d0"]), "m", 16)  # type: ignore[arg-type]
     identities.engine_back(prefill)
-    assert PUSH_TARGET not in prefill.info             # a turn now sends P first and learns it itself
+    assert prefill.facts.push_target is None            # a turn now sends P first and learns it itself
     await asyncio.gather(*identities._running)
-    assert prefill.info[PUSH_TARGET].engine_id == "p0"
+    assert prefill.facts.push_target.engine_id == "p0"

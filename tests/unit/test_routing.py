@@ -89,8 +89,8 @@ def test_admission_bounds_turns_and_queued_tokens():
 def test_a_new_conversation_goes_to_the_d_with_free_kv():
     p = pool(2)
     for engine in p.engines.values():
-        engine.info.update(num_gpu_blocks=1000, block_size=16)
-    p.engines["http://d0"].info["pinned_blocks"] = 900          # idle conversations' handles fill d0
+        engine.facts.num_gpu_blocks, engine.facts.block_size = 1000, 16
+    p.engines["http://d0"].pinned_blocks = 900          # idle conversations' handles fill d0
     p.engines["http://d0"].outstanding_requests = 0
     p.engines["http://d1"].outstanding_requests = 2             # busier, but its KV is free
     assert {p.pick_decode().url for _ in range(4)} == {"http://d1"}
@@ -104,7 +104,7 @@ def test_a_new_conversation_goes_to_the_d_whose_own_readings_show_room():
     from gateway.engines.dataplane import DataPlane
     p = pool(2)
     for engine in p.engines.values():
-        engine.info.update(num_gpu_blocks=1000, block_size=16)
+        engine.facts.num_gpu_blocks, engine.facts.block_size = 1000, 16
     p.engines["http://d0"].observe(DataPlane(kv_cache_usage=0.95, scraped_at=1.0))   # no pins, but full
     p.engines["http://d1"].observe(DataPlane(kv_cache_usage=0.10, scraped_at=1.0))
     p.engines["http://d1"].outstanding_requests = 2
@@ -114,6 +114,6 @@ def test_a_new_conversation_goes_to_the_d_whose_own_readings_show_room():
 
 def test_unknown_capacity_routes_on_requests_alone():
     p = pool(2)
-    p.engines["http://d0"].info["pinned_blocks"] = 900
+    p.engines["http://d0"].pinned_blocks = 900
     p.engines["http://d1"].outstanding_requests = 1
     assert p.pick_decode().url == "http://d0"

@@ -6,6 +6,7 @@ import pytest
 
 from gateway import startup
 from gateway.config import Settings
+from gateway.engines.facts import KvTransfer
 from gateway.startup import EngineReport
 
 KV = {"connector": "NixlConnector", "bidirectional": True}
@@ -16,7 +17,10 @@ def engine(role="prefill", **kw) -> EngineReport:
     defaults = dict(url=f"http://{role}:1", role=role, reachable=True, version="0.32.0", block_size=16,
                     models=["m"], kv_transfer={**KV, "role": kv_role, "failure_policy": "fail",
                                                "decoder_kv_blocks_ttl": 480.0}, parity="match")
-    return EngineReport(**{**defaults, **kw})
+    report = {**defaults, **kw}
+    if report["kv_transfer"] is not None:        # written as dicts here: the fields /server_info shows
+        report["kv_transfer"] = KvTransfer(**report["kv_transfer"])
+    return EngineReport(**report)
 
 
 @pytest.mark.parametrize(("got", "verdict", "detail"), [

@@ -13,7 +13,6 @@ import pytest
 
 from gateway.config import Settings
 from gateway.engines.pool import EnginePool
-from gateway.engines.probe import PINNED_IDS
 from gateway.errors import EngineConnectError, EngineFailedError, EngineTimeoutError, GatewayError
 from gateway.store import Conversation, ConversationKey, MemoryConversationStore
 from gateway.telemetry import Metrics
@@ -80,9 +79,9 @@ async def built(script: Script, *, retries: int = 2, proven: bool = False, promp
         dict(D_HANDLE), 1e12, 0.0)
     prefill, decode = EnginePool("prefill", settings.prefill), EnginePool("decode", settings.decode)
     for engine in prefill.engines.values():
-        engine.info[PINNED_IDS] = proven        # what the start-up probe found (startup.PinnedIdsProof)
+        engine.facts.pinned_ids = proven        # what the start-up probe found (startup.PinnedIdsProof)
     for engine in decode.engines.values():
-        engine.info[PINNED_IDS] = decode_proven
+        engine.facts.pinned_ids = decode_proven
     calls = EngineCalls(metrics)
     releaser = HandleReleaser(client, prefill, calls, metrics, "m")
     state = ConversationState(store=store, decode=decode, releaser=releaser, metrics=metrics, settings=settings,

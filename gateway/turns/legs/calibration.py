@@ -133,10 +133,10 @@ class RateProbe:
         """The probe's N: the setting, within a share of either engine's KV and within the model's length."""
         limits = [self.tokens]
         for engine in (p, d):
-            blocks, block_size = engine.info.get("num_gpu_blocks"), engine.info.get("block_size")
+            blocks, block_size = engine.facts.num_gpu_blocks, engine.facts.block_size
             if blocks and block_size:
                 limits.append(blocks * block_size // CAPACITY_SHARE)
-            if length := engine.info.get("max_model_len"):
+            if length := engine.facts.max_model_len:
                 limits.append(length - NEW_TOKENS - 1)
         return min(limits) if self.vocabulary else 0
 

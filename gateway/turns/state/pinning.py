@@ -7,6 +7,7 @@ the ledger's earnings (earning.py) also D's own readings fed in, and what pins e
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from gateway.engines import kv
 from gateway.engines.pool import EnginePool
@@ -23,6 +24,7 @@ class Pinning:
                  releaser: HandleReleaser, metrics: Metrics) -> None:
         self.pins, self.store, self.decode_pool = pins, store, decode
         self.releaser, self.metrics = releaser, metrics
+        self.summaries: dict[str, dict[str, Any]] = {}     # each D's pins as `/admin/engines` shows them
 
     def begun(self, key: ConversationKey, claimed: bool, now: float) -> None:
         """A turn of the conversation began; `claimed`: its handle is being read, never a budget victim."""
@@ -50,7 +52,7 @@ class Pinning:
         if handle is None or self.pins is None:
             return handle, [], False
         holder = self.decode_pool.get(engine)
-        capacity = holder.info.get("num_gpu_blocks") if holder is not None else None
+        capacity = holder.facts.num_gpu_blocks if holder is not None else None
         if self.pins.earnings is not None and holder is not None:
             d = self.pins.earnings.of(engine)
             d.observe(holder.data_plane)     # D short of blocks: fewer pins
@@ -93,17 +95,16 @@ class Pinning:
         self.metrics.pinned_tokens.labels(self.metrics.engine_label(engine)).set(self.pins.pinned_tokens(engine))
         holder = self.decode_pool.get(engine)
         if holder is not None:
-            holder.info["pinned_blocks"] = self.pins.pinned_blocks(engine)
+            holder.pinned_blocks = self.pins.pinned_blocks(engine)
         if (earnings := self.pins.earnings) is not None:
             d = earnings.of(engine)
             self.metrics.pins_used_ratio.labels(self.metrics.engine_label(engine)).set(d.used_ratio)
-            configured = self.pins.budget.budget_blocks(holder.info.get("num_gpu_blocks") if holder else None)
+            configured = self.pins.budget.budget_blocks(holder.facts.num_gpu_blocks if holder else None)
             budget = None if configured is None else earnings.budget_blocks(engine, configured)
             if budget is not None:
                 self.metrics.pin_budget_blocks.labels(self.metrics.engine_label(engine)).set(budget)
-            if holder is not None:
-                holder.info["pins"] = {**d.summary(), "budget_blocks": budget, "configured_budget_blocks": configured,
-                                       "policy": "adaptive" if earnings.adaptive else "lru"}
+            self.summaries[engine] = {**d.summary(), "budget_blocks": budget, "configured_budget_blocks": configured,
+                                      "policy": "adaptive" if earnings.adaptive else "lru"}
 
     def _release_evicted(self, handle: kv.Handle, engine: str) -> None:
         self.releaser.release(handle, EVICTED)
