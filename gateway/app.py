@@ -21,7 +21,8 @@ from gateway.api.operational import metrics_listener
 from gateway.api.error_shapes import HANDLERS
 from gateway.api.messages_routes import MESSAGES_ROUTES
 from gateway.api.responses_routes import RESPONSES_ROUTES
-from gateway.api.routes import ROUTES, Gateway
+from gateway.api.routes import ROUTES
+from gateway.api.turn_entry import Gateway
 from gateway.config import Settings, engine_names
 from gateway.engines.client import EngineClient
 from gateway.engines.health import HealthChecker

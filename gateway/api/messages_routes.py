@@ -9,6 +9,7 @@ Claude Code's X-Claude-Code-Session-Id, scoped by the system prompt), else found
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import msgspec
 from litestar import Request, post
@@ -17,11 +18,10 @@ from litestar.types import ASGIApp
 
 from gateway.api import messages as api
 from gateway.api.message_events import MessageEvents
-from gateway.api.routes import Gateway, _request_id, _respond, dropped_tools, named_session
 from gateway.api.schemas import ChatRequest, parse
 from gateway.api.sessions import session_id
+from gateway.api.turn_entry import Gateway, TurnCall, dropped_tools, request_id, respond, run_turn
 from gateway.turns.admin_actions import ConversationKey
-from gateway.turns.intake.clock import TurnClock
 
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
@@ -29,30 +29,25 @@ _decode = msgspec.json.Decoder().decode
 
 @post("/v1/messages", status_code=200)
 async def create_message(request: Request, gateway: NamedDependency[Gateway]) -> ASGIApp:
-    began = time.perf_counter()
+    arrived = time.perf_counter()
     tenant = gateway.api_keys.tenant_for(_authorization(request))
     req = api.parse_request(await request.body())
-    model = gateway.intake.model_for(req.model)
-    body, parsed = parse(_encode(api.chat_body(req, model or None)), ChatRequest)
+    body, parsed = _chat(req, gateway)
     settings = gateway.settings
     system = (api.system_text(req) or "").encode("utf-8", "surrogatepass")
     session = session_id(request.headers, {}, settings.session_header, settings.agent_session_headers, system,
                          body.get("tools") or (), settings.session_scope)
     key = ConversationKey(tenant, session) if session else None
-    async with gateway.runner.claim_ahead(key) as ahead:
-        turn = gateway.intake.chat(body, parsed, _request_id(request))
-        turn.clock = TurnClock(gateway.metrics.gateway_seconds, began)
-        gateway.metrics.turn_seconds.labels("intake").observe(time.perf_counter() - began)
-        reply = await gateway.runner.run(turn, key, tenant, ahead)
+    turn, reply = await run_turn(gateway, TurnCall(
+        tenant, key, lambda: gateway.intake.chat(body, parsed, request_id(request)), arrived))
     dropped_tools(reply, api.hosted_tools(req))
-    named_session(reply, key, settings)
     message_id = api.new_id()
     if reply.stream is not None:
         reply.stream = MessageEvents(message_id, turn.model, len(turn.prompt_ids),
                                      reply.cached_tokens).relay(reply.stream)
-        return _respond(reply, turn.clock)
+        return respond(reply, turn.clock)
     reply.body = _encode(api.from_completion(message_id, turn.model, _decode(reply.body or b"{}")))
-    return _respond(reply, turn.clock)
+    return respond(reply, turn.clock)
 
 
 @post("/v1/messages/count_tokens", status_code=200)
@@ -60,13 +55,16 @@ async def count_tokens(request: Request, gateway: NamedDependency[Gateway]) -> d
     """The request's prompt tokens as the turn would send them: translated and rendered with the model's chat
     template (tools included), nothing run. `max_tokens` is not part of this request (Anthropic's API)."""
     gateway.api_keys.tenant_for(_authorization(request))
-    req = api.parse_request(await request.body(), counting=True)
-    model = gateway.intake.model_for(req.model)
-    body, parsed = parse(_encode(api.chat_body(req, model or None)), ChatRequest)
-    return {"input_tokens": len(gateway.intake.chat(body, parsed, _request_id(request)).prompt_ids)}
+    body, parsed = _chat(api.parse_request(await request.body(), counting=True), gateway)
+    return {"input_tokens": len(gateway.intake.chat(body, parsed, request_id(request)).prompt_ids)}
 
 
 MESSAGES_ROUTES = [create_message, count_tokens]
+
+
+def _chat(req: api.MessagesRequest, gateway: Gateway) -> tuple[dict[str, Any], ChatRequest]:
+    """The request as the chat body the turn runs (its model named as the gateway serves it)."""
+    return parse(_encode(api.chat_body(req, gateway.intake.model_for(req.model) or None)), ChatRequest)
 
 
 def _authorization(request: Request) -> str | None:

@@ -24,11 +24,10 @@ from litestar.types import ASGIApp
 
 from gateway.api import responses as api
 from gateway.api.response_events import ResponseEvents
-from gateway.api.routes import Gateway, _request_id, _respond, dropped_tools, named_session
 from gateway.api.schemas import ChatRequest, parse
 from gateway.api.sessions import session_id
+from gateway.api.turn_entry import Gateway, TurnCall, dropped_tools, request_id, respond, run_turn
 from gateway.turns.admin_actions import ConversationKey
-from gateway.turns.intake.clock import TurnClock
 from gateway.turns.intake.continued import Previous, Thread
 from gateway.turns.intake.request import TurnRequest
 
@@ -38,38 +37,39 @@ _decode = msgspec.json.Decoder().decode
 
 @post("/v1/responses", status_code=200)
 async def create_response(request: Request, gateway: NamedDependency[Gateway]) -> ASGIApp:
-    arrived = began = time.perf_counter()
+    arrived = time.perf_counter()
     tenant = gateway.api_keys.tenant_for(request.headers.get("authorization"))
     req = api.parse_request(await request.body())
     model = gateway.intake.model_for(req.model)
     previous: Previous | None = None
-    spent = time.perf_counter() - began
+    loading = time.perf_counter()
     if req.previous_response_id is not None:
         previous = await gateway.responses.load(tenant, req.previous_response_id)
-    began = time.perf_counter()
+    store_s = time.perf_counter() - loading          # `get_response` in pdgw_store_seconds, not intake
     body, parsed = parse(_encode(api.chat_body(req, model or None)), ChatRequest)
     response_id = api.new_id("resp")
     session = previous.session if previous is not None else _new_session(request, gateway, req, body, response_id)
     key = ConversationKey(tenant, session) if session else None
-    async with gateway.runner.claim_ahead(key) as ahead:
-        turn, thread = gateway.continuation.turn(previous, req.instructions, body, parsed, _request_id(request))
-        turn.clock = TurnClock(gateway.metrics.gateway_seconds, arrived)
-        # intake: parse, check, render; the store read of the previous response is not in it (it is `get_response`
-        # in pdgw_store_seconds)
-        gateway.metrics.turn_seconds.labels("intake").observe(spent + time.perf_counter() - began)
-        captured: list[Any] = []
+    captured: list[Any] = []
+    thread: Thread | None = None          # rendering says how the turn continues the chain
+
+    def render() -> TurnRequest:
+        nonlocal thread
+        turn, thread = gateway.continuation.turn(previous, req.instructions, body, parsed, request_id(request))
         turn.on_recorded = captured.append
-        reply = await gateway.runner.run(turn, key, tenant, ahead)
+        return turn
+
+    turn, reply = await run_turn(gateway, TurnCall(tenant, key, render, arrived, store_s))
     dropped_tools(reply, api.hosted_tools(req.tools))
-    named_session(reply, key, gateway.settings)
     if key is None and reply.session is not None and req.store is not False:
         session = reply.session.session       # found by its tokens (or new): the chain continues there
+    assert thread is not None
     answer = _Answer(gateway, tenant, response_id, session, req, turn, thread, captured)
     if reply.stream is not None:
         reply.stream = answer.events(reply.stream)
-        return _respond(reply, turn.clock)
+        return respond(reply, turn.clock)
     reply.body = await answer.json(_decode(reply.body or b"{}"))
-    return _respond(reply, turn.clock)
+    return respond(reply, turn.clock)
 
 
 @get("/v1/responses/{response_id:str}")
