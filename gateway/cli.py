@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     elif command == "--version":
         print(f"pd-gateway {version()}")
     elif command == "sim":
-        from gateway.sim.cli import main as sim_main
+        from gateway.sim.launch import main as sim_main
 
         sim_main(rest)
     elif command == "serve":

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from gateway.sim.blocks import BlockPool, PoolExhaustedError
-from gateway.sim.request import EngineRequest
+from gateway.sim.engine_request import EngineRequest
 from gateway.sim.settings import SimSettings
 from gateway.sim.stats import SimStats
 from gateway.sim.steps import Steps

@@ -1,4 +1,4 @@
-"""How a simulated engine ends a request it cannot serve: the errors `engine.py` raises and `serving.py` answers."""
+"""How a simulated engine ends a request it cannot serve: the errors `engine_core.py` raises and `openai_serving.py` answers."""
 
 from __future__ import annotations
 

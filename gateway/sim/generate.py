@@ -13,9 +13,9 @@ import struct
 from dataclasses import dataclass
 
 from gateway.sim.blocks import Slot
-from gateway.sim.render import Renderer
+from gateway.sim.chat_render import Renderer
 from gateway.sim.structured import document
-from gateway.sim.tools import Style, ToolSpec, compose
+from gateway.sim.hermes_tools import Style, ToolSpec, compose
 
 WORDS = (
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 from gateway.sim.blocks import BlockPool, block_hashes
 from gateway.sim.handles import HandleTable
 from gateway.sim.push import PushSender
-from gateway.sim.request import Running
+from gateway.sim.engine_request import Running
 from gateway.sim.settings import SimSettings
 from gateway.sim.stats import SimStats
 

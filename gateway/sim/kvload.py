@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.sim.settings import EXPIRY_MARGIN_S, SimSettings
-from gateway.sim.transfer import HolderAddress
+from gateway.sim.kv_reader import HolderAddress
 
 
 @dataclass(frozen=True)

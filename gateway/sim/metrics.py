@@ -4,7 +4,7 @@ engine with a KV connector). Labels sorted, as prometheus_client prints them; co
 
 from __future__ import annotations
 
-from gateway.sim.engine import Engine
+from gateway.sim.engine_core import Engine
 from gateway.sim.nixl import Histogram
 
 Row = tuple[str, str, str, dict[str, str], float]

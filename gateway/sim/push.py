@@ -1,7 +1,7 @@
 """Push mode (vLLM's NixlPushConnector, docs/protocol.md §8): D registers the blocks it allocated with P, and P
 writes its prefill's KV into them once both its finished blocks and the registration are there, in either order.
 
-Two sim-to-sim calls stand in for NIXL, as `transfer.py`'s reads do in pull mode:
+Two sim-to-sim calls stand in for NIXL, as `kv_reader.py`'s reads do in pull mode:
   POST /sim/kv/push-register  on P  `Registration`: D's request id and address, the block ids D allocated
   POST /sim/kv/push-write     on D  `Write`: D's request id and, per registered block, the slots P wrote
 vLLM sends the first as a NIXL notification and the second as a WRITE with a completion notification: nobody
@@ -24,10 +24,10 @@ from gateway.sim.blocks import GARBAGE, BlockPool, Slot
 from gateway.sim.failures import PushLegError
 from gateway.sim.handles import HandleTable
 from gateway.sim.reading import KVReader
-from gateway.sim.request import EngineRequest
+from gateway.sim.engine_request import EngineRequest
 from gateway.sim.settings import SimSettings
 from gateway.sim.stats import SimStats
-from gateway.sim.transfer import HolderAddress, KVClient, TransferError
+from gateway.sim.kv_reader import HolderAddress, KVClient, TransferError
 
 # vLLM appends `-<8 hex>` to each engine's request id (v1/engine/input_processor.py:371); P pairs a registration
 # with its finished blocks by the ids without it (nixl/utils.py:60-67, nixl/push_worker.py:398-428).

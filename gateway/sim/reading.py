@@ -16,7 +16,7 @@ from gateway.sim.kvload import KVSource, load_plan
 from gateway.sim.nixl import NixlStats
 from gateway.sim.settings import SimSettings
 from gateway.sim.stats import SimStats
-from gateway.sim.transfer import HolderAddress, KVClient, TransferError
+from gateway.sim.kv_reader import HolderAddress, KVClient, TransferError
 
 
 class Reads(Protocol):

@@ -13,7 +13,7 @@ import json
 import random
 from typing import Any
 
-from gateway.sim.tools import instance
+from gateway.sim.hermes_tools import instance
 
 KINDS = ("text", "json_object", "json_schema")
 

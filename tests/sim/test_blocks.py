@@ -8,7 +8,7 @@ from gateway.sim.blocks import BlockPool, PoolExhaustedError, block_hashes
 from gateway.sim.handles import HandleTable
 from gateway.sim.kvload import KVSource, load_plan
 from gateway.sim.stats import SimStats
-from gateway.sim.transfer import HolderAddress
+from gateway.sim.kv_reader import HolderAddress
 
 BS = 4
 

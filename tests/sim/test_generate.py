@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.sim.generate import Model, context_digest
-from gateway.sim.render import Renderer
+from gateway.sim.chat_render import Renderer
 
 EOS = 2
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from gateway.sim.render import tokenizer_source
+from gateway.sim.chat_render import tokenizer_source
 
 # The templates as they were before tool support (scripts/build_demo_tokenizer.py history).
 OLD_CHATML = (

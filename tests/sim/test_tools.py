@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from gateway.sim.render import Renderer
-from gateway.sim.tools import (Call, ToolRequestError, ToolSpec, ToolStream, compose, extract, parse_hermes,
+from gateway.sim.chat_render import Renderer
+from gateway.sim.hermes_tools import (Call, ToolRequestError, ToolSpec, ToolStream, compose, extract, parse_hermes,
                                tool_rounds, tool_spec)
 from tests.sim.conftest import Fleet, Sims, user
 from tests.sim.test_http import _frames

@@ -113,8 +113,8 @@ async def test_a_running_requests_blocks_go_before_the_waiting_ones(setup) -> No
 async def test_no_block_for_the_answer_preempts_by_recompute_then_resumes() -> None:
     """vLLM preempts a running request whose next block does not fit: its blocks go back, it waits at the head
     of the queue and recomputes what the prefix cache lost. The oracle still sees the right KV."""
-    from gateway.sim.engine import Engine, EngineRequest
-    from gateway.sim.render import Renderer
+    from gateway.sim.engine_core import Engine, EngineRequest
+    from gateway.sim.chat_render import Renderer
     from gateway.sim.settings import SimSettings
 
     engine = Engine(SimSettings(role="colocated", num_blocks=10, block_size=16, output_tokens=(40, 40)),

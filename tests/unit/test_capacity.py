@@ -51,9 +51,9 @@ def test_label_values_keep_escaped_quotes_commas_and_braces():
 
 
 def test_the_simulators_page_reads_the_same(tmp_path):
-    from gateway.sim.engine import Engine
+    from gateway.sim.engine_core import Engine
     from gateway.sim.metrics import render_metrics
-    from gateway.sim.render import Renderer
+    from gateway.sim.chat_render import Renderer
     from gateway.sim.settings import SimSettings
 
     engine = Engine(SimSettings(role="decode", num_blocks=100, block_size=16), Renderer("builtin:demo", None))

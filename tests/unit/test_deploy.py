@@ -3,7 +3,7 @@
 - compose.yaml validates against the Compose Specification's JSON schema, raw and interpolated.
   `tests/data/compose-spec.json` is that schema (compose-spec/compose-spec, Apache-2.0) as shipped in the npm
   package dclint 3.1.0 (`schemas/compose.schema.json`).
-- Every command of our image parses with the real parsers (`gateway.cli`, `gateway.sim.cli`), every PDGW_*
+- Every command of our image parses with the real parsers (`gateway.cli`, `gateway.sim.launch`), every PDGW_*
   variable names a real setting with a valid value, and the URLs, ports and hosts agree across services.
 - deploy/vllm-serve.sh runs (with a stand-in `vllm`) and gives P and D the docs/protocol.md §1 flags, with the
   TTLs the gateway uses.
@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from gateway import cli, config, demo
-from gateway.sim import cli as sim_cli
+from gateway.sim import launch as sim_cli
 from gateway.telemetry import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]

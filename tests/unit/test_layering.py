@@ -112,6 +112,16 @@ def test_no_class_over_200_lines_no_module_over_400():
                 assert node.end_lineno - node.lineno < 200, f"{path.relative_to(ROOT)}: {node.name}"
 
 
+def test_no_two_modules_share_a_name():
+    """A name says what a module holds: the simulator's and the gateway's too (`sim/engine_core.py`, not a second
+    `engine.py`), so a traceback or a grep names one file."""
+    seen: dict[str, list[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        if path.stem != "__init__":
+            seen.setdefault(path.stem, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
+
+
 def submodules_imported(path: Path, known) -> set[str]:
     """`from gateway.turns.reuse import plan`: the module `plan`, not only the package."""
     return {f"{node.module}.{a.name}" for node in ast.walk(ast.parse(path.read_text()))

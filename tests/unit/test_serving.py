@@ -12,7 +12,7 @@ import socket
 import pytest
 
 from gateway import serving
-from gateway.sim import cli as sim_cli
+from gateway.sim import launch as sim_cli
 
 
 @pytest.mark.parametrize("bind", [serving.bind, sim_cli.bind], ids=["gateway", "sim"])

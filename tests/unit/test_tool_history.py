@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.errors import InvalidRequestError
-from gateway.sim.render import Renderer as SimRenderer
+from gateway.sim.chat_render import Renderer as SimRenderer
 from gateway.turns.intake.generated import remember, tool_answer
 from gateway.turns.intake.render import Renderer
 from gateway.turns.intake.tools import calls_key, check_chat, merge_calls

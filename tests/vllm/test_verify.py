@@ -15,9 +15,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.engines import dataplane
-from gateway.sim.engine import Engine as SimEngine
+from gateway.sim.engine_core import Engine as SimEngine
 from gateway.sim.metrics import render_metrics
-from gateway.sim.render import Renderer
+from gateway.sim.chat_render import Renderer
 from gateway.sim.settings import SimSettings
 from gateway.telemetry import ENGINE_FAMILIES
 from tests.vllm.conftest import ADMIN_KEY

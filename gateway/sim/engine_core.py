@@ -25,12 +25,12 @@ from gateway.sim.kvload import KVSource, parks
 from gateway.sim.nixl import NixlStats
 from gateway.sim.push import PushReceiver, PushSender
 from gateway.sim.reading import KVReader
-from gateway.sim.render import Renderer
-from gateway.sim.request import EngineRequest, Running
+from gateway.sim.chat_render import Renderer
+from gateway.sim.engine_request import EngineRequest, Running
 from gateway.sim.settings import SimSettings
 from gateway.sim.stats import SimStats
 from gateway.sim.steps import Steps
-from gateway.sim.transfer import KVClient
+from gateway.sim.kv_reader import KVClient
 from gateway.sim.waiting import BlockQueue
 
 EXPIRY_TICK_S = 0.2

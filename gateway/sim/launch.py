@@ -11,7 +11,7 @@ from pathlib import Path
 import msgspec
 import uvicorn
 
-from gateway.sim.app import create_sim_app
+from gateway.sim.engine_app import create_sim_app
 from gateway.sim.kvevents import KVEventsConfig
 from gateway.sim.settings import (DEFAULT_BLOCK_SIZE, DEFAULT_LEASE_S, DEFAULT_MAX_MODEL_LEN,
                                   DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_NUM_BLOCKS,

@@ -17,13 +17,13 @@ import msgspec
 from gateway.sim import logprobs as lp
 from gateway.sim import wire
 from gateway.sim.blocks import PoolExhaustedError
-from gateway.sim.engine import Engine, EngineRequest, Running
+from gateway.sim.engine_core import Engine, EngineRequest, Running
 from gateway.sim.failures import KVLoadParked, RequestFailed
 from gateway.sim.generate import THINK_CLOSE, THINK_OPEN
-from gateway.sim.render import Renderer, RenderError
+from gateway.sim.chat_render import Renderer, RenderError
 from gateway.sim.settings import SimSettings
 from gateway.sim.structured import StructuredOutputError, schema_of
-from gateway.sim.tools import (ToolRequestError, ToolSpec, ToolStream, extract, finish_reason, message_calls,
+from gateway.sim.hermes_tools import (ToolRequestError, ToolSpec, ToolStream, extract, finish_reason, message_calls,
                                tool_rounds, tool_spec)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM's /v1/completions default

@@ -1,6 +1,6 @@
 """Reader side of KV transfer: the sim-to-sim HTTP calls that stand in for NIXL.
 
-Endpoints served by every connector sim (see `app.py`; push mode's two are in `push.py`):
+Endpoints served by every connector sim (see `engine_app.py`; push mode's two are in `push.py`):
   POST /sim/kv/read       {request_id, engine_id, block_ids, block_size, reader} -> {blocks: [[[tok, pos], ...]]}
   POST /sim/kv/notify     {request_id, engine_id, reader}                        -> {claim}
   POST /sim/kv/heartbeat  {request_id, engine_id}                                -> {extended}

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.sim.generate import Answer
-from gateway.sim.tools import ToolSpec
+from gateway.sim.hermes_tools import ToolSpec
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """`create_sim_app(settings)`: the simulated engine's HTTP surface, vLLM's routes plus the `/sim/*` ones.
 
-`/sim/kv/*` stand in for NIXL between sims (see `transfer.py`); `/sim/stats` and `/sim/reset` serve tests.
+`/sim/kv/*` stand in for NIXL between sims (see `kv_reader.py`); `/sim/stats` and `/sim/reset` serve tests.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from litestar import Litestar, MediaType, Request, Response, get, post
 from litestar.response import Stream
 
 from gateway.sim import wire
-from gateway.sim.engine import Engine
+from gateway.sim.engine_core import Engine
 from gateway.sim.failures import KVLoadParked
 from gateway.sim.metrics import render_metrics
 from gateway.sim.push import push_routes
-from gateway.sim.render import Renderer, RenderError
-from gateway.sim.serving import Serving, SimRequestError
+from gateway.sim.chat_render import Renderer, RenderError
+from gateway.sim.openai_serving import Serving, SimRequestError
 from gateway.sim.settings import SimSettings
-from gateway.sim.transfer import KVHeartbeatRequest, KVNotifyRequest, KVReadRequest
+from gateway.sim.kv_reader import KVHeartbeatRequest, KVNotifyRequest, KVReadRequest
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 log = logging.getLogger("gateway.sim")
