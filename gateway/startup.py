@@ -5,7 +5,7 @@ template parity, the store, and what all that means for reuse. Logged by the app
 Pinned prompt ids: each engine (P and D) is asked for one token with `kv_transfer_params.prompt_token_ids` set to
 the rendering of another conversation than its messages; an engine whose echoed prompt is the pinned one uses the
 gateway's verified ids by construction, so its P legs need not echo their prompt for a parity check
-(turns/prefill_leg.py), and neither leg need carry the history's text: only the last message
+(turns/run/prefill_leg.py), and neither leg need carry the history's text: only the last message
 (turns/legs/bodies.py, docs/protocol.md §5.1). The proof is dropped when an engine leaves and re-run when it comes
 back healthy (`PinnedIdsProof.engine_back`).
 

@@ -26,7 +26,7 @@ from gateway.turns.intake.intake import Intake
 from gateway.turns.intake.request import TurnRequest
 from gateway.turns.runner import TurnRunner
 from gateway.turns.state.stored_responses import StoredResponses
-from gateway.turns.turn import TurnReply
+from gateway.turns.run.turn import TurnReply
 
 DROPPED_TOOLS = "X-PD-Dropped-Tools"
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_.:-]{1,96}")

@@ -24,14 +24,14 @@ from gateway.errors import EngineUnavailableError
 from gateway.store import Conversation, ConversationKey, StoreUnavailableError
 from gateway.telemetry import Metrics
 from gateway.tracing import NO_TRACING, Tracing
-from gateway.turns.admission import Admission
-from gateway.turns.decode_leg import DecodeLeg
+from gateway.turns.run.admission import Admission
+from gateway.turns.run.decode_leg import DecodeLeg
 from gateway.turns.intake.request import TurnRequest
 from gateway.turns.legs.calls import EngineCalls, LegSetback
 from gateway.turns.legs.release import HandleReleaser
-from gateway.turns.outcome import TurnOutcome
-from gateway.turns.prefill_leg import PrefillLeg
-from gateway.turns.push_leg import PushLeg
+from gateway.turns.run.outcome import TurnOutcome
+from gateway.turns.run.prefill_leg import PrefillLeg
+from gateway.turns.run.push_leg import PushLeg
 from gateway.turns.reuse import headroom
 from gateway.turns.reuse import plan as plans
 from gateway.turns.reuse.lookup import How
@@ -40,7 +40,7 @@ from gateway.turns.reuse.plan import Leg, PlanKind, Reason
 from gateway.turns.reuse.rates import Rates
 from gateway.turns.state.ahead import ClaimAhead
 from gateway.turns.state.state import ConversationState
-from gateway.turns.turn import Turn, TurnReply
+from gateway.turns.run.turn import Turn, TurnReply
 
 
 class TurnRunner:

@@ -1,4 +1,4 @@
-"""Push mode's pair of legs (turns/push_leg.py) and its retries, without processes: a scripted client that plays
+"""Push mode's pair of legs (turns/run/push_leg.py) and its retries, without processes: a scripted client that plays
 both engines of docs/protocol.md §8 (P's answer WRITEs for its X-Request-Id; D's leg waits for that WRITE), real
 pools, the embedded store. One test per way a pair can go."""
 

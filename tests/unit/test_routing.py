@@ -5,7 +5,7 @@ import pytest
 from gateway.engines import engine as pool_module
 from gateway.engines.pool import EnginePool
 from gateway.errors import EngineUnavailableError, OverloadedError
-from gateway.turns.admission import Admission
+from gateway.turns.run.admission import Admission
 
 
 def pool(n: int = 3) -> EnginePool:

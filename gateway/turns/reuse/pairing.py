@@ -1,5 +1,5 @@
 """Push mode: which leg of a pair may be redone after a setback, and with which request id (docs/protocol.md §8.4).
-Pure decisions; `turns/push_leg.py` carries them out.
+Pure decisions; `turns/run/push_leg.py` carries them out.
 
 The two legs meet on P by their shared request id: D registers its blocks with P, P writes once it has both its
 finished prefill and the registration, in either order. So:

@@ -29,14 +29,14 @@ from gateway.engines import kv, transfer
 from gateway.engines.engine import Engine
 from gateway.errors import EngineTimeoutError, UpstreamError
 from gateway.telemetry import Metrics
-from gateway.turns.decode_leg import DecodeLeg
+from gateway.turns.run.decode_leg import DecodeLeg
 from gateway.turns.legs.calls import EngineCalls, LegSetback
 from gateway.turns.legs.pair import PushPair
-from gateway.turns.prefill_leg import PrefillLeg
+from gateway.turns.run.prefill_leg import PrefillLeg
 from gateway.turns.reuse import pairing
 from gateway.turns.reuse.pairing import PairStep
 from gateway.turns.reuse.plan import Leg, Replan, Setback
-from gateway.turns.turn import Turn, TurnReply
+from gateway.turns.run.turn import Turn, TurnReply
 
 log = logging.getLogger("gateway.turn")
 LEASE_MARGIN_S = 5.0                # a D redone this late might register after P's blocks are gone

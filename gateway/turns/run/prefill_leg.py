@@ -14,10 +14,10 @@ from gateway.engines.probe import pinned_ids_proven
 from gateway.errors import UpstreamError
 from gateway.turns.legs.bodies import prefill_body, prompt_ids_of
 from gateway.turns.legs.calls import EngineCalls, LegSetback
-from gateway.turns.outcome import TurnOutcome
+from gateway.turns.run.outcome import TurnOutcome
 from gateway.turns.reuse.plan import Setback
 from gateway.turns.reuse.rates import PrefillTiming, Rates
-from gateway.turns.turn import Turn
+from gateway.turns.run.turn import Turn
 
 log = logging.getLogger("gateway.turn")
 

@@ -23,10 +23,10 @@ from gateway.turns.legs import chunks
 from gateway.turns.legs.capture import DecodeCapture
 from gateway.turns.legs.restream import restream
 from gateway.turns.intake.request import TurnRequest
-from gateway.turns.outcome import TurnOutcome
+from gateway.turns.run.outcome import TurnOutcome
 from gateway.turns.reuse.plan import Reason
 from gateway.turns.reuse.rates import DecodeTiming, Rates
-from gateway.turns.turn import Turn, TurnReply
+from gateway.turns.run.turn import Turn, TurnReply
 
 _encode = msgspec.json.Encoder().encode
 

@@ -11,7 +11,7 @@ from gateway.engines.engine import Engine
 from gateway.errors import GatewayError
 from gateway.store import ConversationKey, TurnStart
 from gateway.tracing import NO_TURN, TurnTrace
-from gateway.turns.admission import Ticket
+from gateway.turns.run.admission import Ticket
 from gateway.turns.intake.request import TurnRequest
 from gateway.turns.legs.calls import LegSetback
 from gateway.turns.legs.pair import PushPair

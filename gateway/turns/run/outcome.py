@@ -12,7 +12,7 @@ from gateway.turns.intake.clock import TurnClock
 from gateway.turns.legs.capture import DecodeCapture
 from gateway.turns.legs.release import HandleReleaser
 from gateway.turns.state.state import ConversationState
-from gateway.turns.turn import Turn
+from gateway.turns.run.turn import Turn
 
 log = logging.getLogger("gateway.turn")
 
