@@ -161,7 +161,7 @@ async def _calibrated(runner: TurnRunner, prefill: EnginePool, decode: EnginePoo
     """Under the cost plan, the rates it weighs: probed per P-D pair before serving (at most a few seconds'
     wait), then kept fresh in the background. None when there is nothing to calibrate."""
     metrics.learned_rates.source = runner.rates.known
-    if settings.reuse_policy != "cost" or not settings.rate_probe_tokens or runner.push:
+    if settings.reuse_policy != "cost" or not settings.rate_probe_tokens or not runner.transfer.reads_d_kv:
         return None              # push mode has no read of D's KV to calibrate (docs/protocol.md §8)
     probe = RateProbe(client=runner.client, calls=runner.calls, prefill=prefill, decode=decode, rates=runner.rates,
                       releaser=runner.releaser, vocabulary=renderer.encode(PROBE_TEXT), model=model,

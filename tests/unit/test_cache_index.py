@@ -173,7 +173,7 @@ def test_the_cost_plan_reads_p_s_cache_from_its_events(events, knowledge, cached
     from gateway.engines.engine import Engine
     from gateway.store import Conversation
     from gateway.turns.reuse.cost import TurnShape
-    from gateway.turns.runner import TurnRunner
+    from gateway.turns.run.path_choice import PathChoice
 
     class Rates:
         def warm_tokens(self, *_):
@@ -185,7 +185,6 @@ def test_the_cost_plan_reads_p_s_cache_from_its_events(events, knowledge, cached
     assert p.cache.knowledge is knowledge
     held = Fingerprint.of(TOKENS, 21, BS)
     record = Conversation(block_size=BS, held_tokens=21, block_hashes=held.block_hashes, prefill_engine="http://p0")
-    runner = TurnRunner.__new__(TurnRunner)
-    runner.rates = Rates()
-    shape = TurnRunner._p_cached(runner, TurnShape(30, 21, 20, 0, False), p, record)
+    paths = PathChoice(None, Rates(), None, None)      # type: ignore[arg-type]
+    shape = paths.p_cached(TurnShape(30, 21, 20, 0, False), p, record)
     assert (shape.p_cached_tokens, shape.p_cache_known) == (cached, known)

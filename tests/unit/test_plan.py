@@ -177,7 +177,7 @@ def test_by_path_weighs_the_local_path(pair, costs, kind, reason):
 def test_a_local_plan_keeps_the_handle_unread_and_counts_d_s_whole_blocks():
     first = plan_with_handle(S + [1], Fingerprint.of(S, 19, BS), handle(19))
     plan = by_cost(first, PairCosts(FAST, PREFILL), 0, local_allowed=True)
-    assert plan.first_leg == "decode" and plan.handle == first.handle and plan.release is None
+    assert plan.local and plan.handle == first.handle and plan.release is None
     assert plan.reused_tokens == 16          # D's cache holds full blocks only: 4 of them, not 19 tokens
     assert plan.instead == first
 
@@ -294,10 +294,8 @@ def test_a_turn_with_nothing_to_reuse_may_go_to_d_alone_whole():
     from gateway.turns.reuse.plan import whole_prompt_local
     first = full(Reason.FIRST_TURN)
     known, unknown = whole_prompt_local(first, True), whole_prompt_local(first, False)
-    assert (known.kind, known.reason, known.reused_tokens, known.first_leg) == (PlanKind.LOCAL, Reason.FIRST_TURN,
-                                                                                0, "decode")
+    assert (known.kind, known.reason, known.reused_tokens) == (PlanKind.LOCAL, Reason.FIRST_TURN, 0)
     assert (known.hold, known.d_cached, unknown.hold, unknown.d_cached) == (False, 0, True, None)
     assert replan(known, "decode", Setback.FAILED).plan.kind is PlanKind.FULL
     reading = plan_with_handle(S + [1], Fingerprint.of(S, 19, BS), handle(19))
-    for plan in (reading, _replace(first, push=True)):        # a handle to read, or push mode: untouched
-        assert whole_prompt_local(plan, True) is plan
+    assert whole_prompt_local(reading, True) is reading          # a handle to read: untouched

@@ -11,8 +11,9 @@ from gateway.engines.facts import KvTransfer
 from gateway.engines.transfer import Seen, decide, mode_findings, mode_of
 from gateway.turns.reuse.continuity import Fingerprint
 from gateway.turns.reuse.pairing import PairStep, after_decode, after_prefill
-from gateway.turns.reuse.plan import (Claim, Plan, PlanKind, Reason, Setback, first_push_plan, in_push_mode, full,
-                                      push_path, replan)
+from gateway.turns.reuse.plan import Claim, PlanKind, Reason, Setback, full
+from gateway.turns.reuse.push_plans import adopt, first_plan as first_push_plan, pair, path as push_path, replan
+from gateway.turns.run.push_leg import PushTransfer
 
 BS = 4
 HELD = list(range(50, 70))                  # D computed these last turn: R = 20
@@ -115,7 +116,7 @@ def claim(**changes) -> Claim:
 def test_first_push_plan_is_a_full_pair_with_what_d_computed(prompt, changes, reason, verified):
     plan = first_push_plan(prompt, claim(**changes))
     assert (plan.kind, plan.reason, plan.verified_tokens, plan.reused_tokens) == (PlanKind.FULL, reason, verified, 0)
-    assert plan.push and plan.first_leg == "pair" and plan.handle is None and plan.release is None
+    assert pushed(plan) and PushTransfer.first_leg(plan) == "pair" and plan.handle is None and plan.release is None
 
 
 def test_a_pull_era_handle_is_neither_read_nor_released_in_push_mode():
@@ -134,21 +135,25 @@ def test_a_pull_era_handle_is_neither_read_nor_released_in_push_mode():
     (23, True, 0, PlanKind.FULL, 0),         # local off
 ])
 def test_push_path_goes_local_on_the_holder_within_the_bound(prompt_tokens, on_holder, bound, kind, hit):
-    plan = push_path(Plan(PlanKind.FULL, Reason.PUSH_MODE, push=True, verified_tokens=20), prompt_tokens, BS,
-                     on_holder, bound)
-    assert plan.kind is kind and plan.push and plan.reused_tokens == hit
-    assert plan.first_leg == ("decode" if kind is PlanKind.LOCAL else "pair")
+    plan = push_path(pair(Reason.PUSH_MODE, 20), prompt_tokens, BS, on_holder, bound)
+    assert plan.kind is kind and pushed(plan) and plan.reused_tokens == hit
+    assert PushTransfer.first_leg(plan) == ("decode" if kind is PlanKind.LOCAL else "pair")
     if kind is PlanKind.LOCAL:
         assert plan.reason is Reason.SHORT_SUFFIX and plan.handle is None
 
 
 def test_plans_made_before_the_conversation_was_known_become_pairs():
-    plan = in_push_mode(full(Reason.STORE_UNAVAILABLE))
-    assert plan.push and plan.first_leg == "pair" and plan.reason is Reason.STORE_UNAVAILABLE
+    plan = adopt(full(Reason.STORE_UNAVAILABLE))
+    assert pushed(plan) and PushTransfer.first_leg(plan) == "pair" and plan.reason is Reason.STORE_UNAVAILABLE
 
 
-PAIR = Plan(PlanKind.FULL, Reason.FIRST_TURN, push=True)
-LOCAL = push_path(Plan(PlanKind.FULL, Reason.PUSH_MODE, push=True, verified_tokens=20), 23, BS, True, 256)
+def pushed(plan) -> bool:
+    """A push plan asks D to hold nothing, and its next turn finds `push_mode` (D never returns a handle)."""
+    return not plan.hold and plan.unheld is Reason.PUSH_MODE and plan.handle is None
+
+
+PAIR = pair(Reason.FIRST_TURN)
+LOCAL = push_path(pair(Reason.PUSH_MODE, 20), 23, BS, True, 256)
 
 
 @pytest.mark.parametrize(("plan", "leg", "setback", "reason", "blame"), [
@@ -164,7 +169,7 @@ LOCAL = push_path(Plan(PlanKind.FULL, Reason.PUSH_MODE, push=True, verified_toke
 def test_replan_a_pair_given_up(plan, leg, setback, reason, blame):
     step = replan(plan, leg, setback)
     assert (step.next_leg, step.plan.reason, step.plan.kind, step.blame) == ("pair", reason, PlanKind.FULL, blame)
-    assert step.plan.push and step.costs_retry
+    assert pushed(step.plan) and step.costs_retry
 
 
 # -- which leg of a pair is redone (pairing.py) ---------------------------------------------------------------

@@ -27,29 +27,35 @@ def prefill_body(req: TurnRequest, handle: kv.Handle | None, *, confirm_ids: boo
     return _with_prompt(req, body)
 
 
-def decode_body(req: TurnRequest, prefill_handle: kv.Handle | None, *, local: bool = False,
-                push: bool = False, pair: PushPair | None = None, stub: bool = False,
+def decode_body(req: TurnRequest, prefill_handle: kv.Handle | None, *, local: bool = False, stub: bool = False,
                 hold: bool = True) -> dict[str, Any]:
-    """D's leg: read P's handle (None: D prefills itself); `local`: D alone computes what its prefix cache lacks
-    and holds the result for the next turn's reader. `push` (docs/protocol.md §8.2): D waits for the WRITE of
-    the pair's P (P's handle is not D's business there), or without a pair computes alone and holds nothing.
-    `stub`: D is proven to use the pinned ids: only the last message is sent. `hold` false: a local D is asked to
-    keep nothing behind a handle."""
+    """D's leg in pull mode: read P's handle (None: D prefills itself); `local`: D alone computes what its prefix
+    cache lacks and holds the result for the next turn's reader. `stub`: D is proven to use the pinned ids: only
+    the last message is sent. `hold` false: a local D is asked to keep nothing behind a handle."""
+    pinned = _pinned_ids(req)
+    if local:
+        # Holding nothing, D gets the ids only where it is proven to pop them: before vLLM 0.32 they stay in
+        # the params, and a bidirectional D pins any request with params for its TTL (docs/protocol.md §9).
+        params = kv.local_params(pinned) if hold else kv.cache_params(pinned if stub else None)
+    else:
+        params = kv.decode_params(prefill_handle, pinned)
+    return _decode_with(req, params, stub)
+
+
+def push_decode_body(req: TurnRequest, pair: PushPair | None, *, local: bool = False,
+                     stub: bool = False) -> dict[str, Any]:
+    """D's leg in push mode (docs/protocol.md §8.2): D waits for the WRITE of the pair's P (P's handle is not D's
+    business there), or without a pair computes alone and holds nothing."""
+    target = pair.target if pair is not None and not local else None
+    p_id = kv.engine_base_id(req.endpoint, pair.request_id) if pair is not None else ""
+    params = kv.push_decode_params(target, _pinned_ids(req), p_id)
+    return _decode_with(req, params or None, stub)   # D alone on completions: no params at all ({} reads as none)
+
+
+def _decode_with(req: TurnRequest, params: dict[str, Any] | None, stub: bool) -> dict[str, Any]:
     body = dict(_forwarded(req, stub))
     body["return_token_ids"] = True
-    pinned = _pinned_ids(req)
-    if push:
-        target = pair.target if pair is not None and not local else None
-        p_id = kv.engine_base_id(req.endpoint, pair.request_id) if pair is not None else ""
-        params = kv.push_decode_params(target, pinned, p_id)
-    else:
-        if local:
-            # Holding nothing, D gets the ids only where it is proven to pop them: before vLLM 0.32 they stay in
-            # the params, and a bidirectional D pins any request with params for its TTL (docs/protocol.md §9).
-            params = kv.local_params(pinned) if hold else kv.cache_params(pinned if stub else None)
-        else:
-            params = kv.decode_params(prefill_handle, pinned)
-    if params or not push:     # push, D alone on completions: no params at all (vLLM reads {} as none)
+    if params is not None:
         body[kv.WIRE_KEY] = params
     return _with_prompt(req, body)
 

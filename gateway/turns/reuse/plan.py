@@ -1,7 +1,6 @@
 """The turn's plan: reuse (P reads D's whole handle), partial (a truncated handle), full (no handle), or local
-(the holder D computes the new suffix itself from its own prefix cache, no P leg), with a reason. In push mode
-(docs/protocol.md §8) no D->P read exists: a later turn is local where it applies, else full (`push_mode`),
-and P's and D's legs go out together as one pair.
+(the holder D computes the new suffix itself from its own prefix cache, no P leg), with a reason. Push mode's
+plans (docs/protocol.md §8: no D->P read exists) are `push_plans.py`'s.
 
 Pure decisions, in one place: `first_plan` from what the store returned and what the prompt rendered to,
 `by_cost` for which of the three paths (local on D, P reading D's KV, P recomputing) is cheapest once the engines
@@ -68,19 +67,12 @@ class Plan:
     handle: Handle | None = None        # what P reads D's KV through (None: a full prefill); local: kept unread
     release: Handle | None = None       # a claimed handle this turn will not use: free D's blocks
     instead: Plan | None = None         # local: the P path it replaced, for when D fails
-    push: bool = False                  # push mode: P and D legs as one pair (no handle, nothing released)
     verified_tokens: int = 0            # push: the prompt's prefix D computed last turn (continuity-checked)
     # The verified prefix's tokens the holder D's prefix cache holds, by its KV events (whole blocks); None: not
     # known (no events, or lost), and the lease/TTL rules apply.
     d_cached: int | None = None
     hold: bool = True                   # D is asked to keep the result behind a handle (a later read may come)
-
-    @property
-    def first_leg(self) -> Leg:
-        """The leg the runner starts with: D alone on the local path, else P first, or in push mode the pair."""
-        if self.kind is PlanKind.LOCAL:
-            return "decode"
-        return "pair" if self.push else "prefill"
+    unheld: Reason = Reason.NOT_HELD    # what the next turn finds when D holds nothing behind a handle
 
     @property
     def local(self) -> bool:
@@ -169,8 +161,8 @@ def to_local(plan: Plan, hit_tokens: int) -> Plan:
     """The P-path plan as a local one: D alone, its cache holding `hit_tokens` of the prompt. Where D's events
     are known, D is asked to hold nothing (no producer lease): the next turn finds the KV by the events too, and
     a pin is asked for only where the plan expects P to read D's KV."""
-    return Plan(PlanKind.LOCAL, Reason.SHORT_SUFFIX, hit_tokens, plan.handle, instead=plan, push=plan.push,
-                d_cached=plan.d_cached, hold=plan.d_cached is None)
+    return Plan(PlanKind.LOCAL, Reason.SHORT_SUFFIX, hit_tokens, plan.handle, instead=plan,
+                d_cached=plan.d_cached, hold=plan.hold and plan.d_cached is None, unheld=plan.unheld)
 
 
 def whole_prompt_local(plan: Plan, d_events_known: bool) -> Plan:
@@ -178,7 +170,7 @@ def whole_prompt_local(plan: Plan, d_events_known: bool) -> Plan:
     as a co-located engine would, with no P leg and no KV hand-over (`--local-first-turns`, within D's local
     bound). The reason stays; `instead` is the P path, for when D fails. Where D's events are known D holds
     nothing and the next turn finds the history by them; else D keeps a producer lease, as on a later local turn."""
-    if plan.kind is not PlanKind.FULL or plan.handle is not None or plan.push:
+    if plan.kind is not PlanKind.FULL or plan.handle is not None:
         return plan
     return Plan(PlanKind.LOCAL, plan.reason, 0, None, instead=plan,
                 d_cached=0 if d_events_known else None, hold=not d_events_known)
@@ -186,7 +178,7 @@ def whole_prompt_local(plan: Plan, d_events_known: bool) -> Plan:
 
 def may_go_local(plan: Plan) -> bool:
     """A plan the path choice may turn local: it holds a handle, or D's events say what D's cache holds."""
-    return plan.handle is not None or (plan.d_cached is not None and not plan.push)
+    return plan.handle is not None or plan.d_cached is not None
 
 
 def by_shape(plan: Plan, shape: TurnShape) -> Plan:
@@ -230,43 +222,6 @@ def by_path(plan: Plan, costs: PathCosts, shape: TurnShape) -> Plan:
     return plan
 
 
-# -- push mode (issue 26, docs/protocol.md §8) ---------------------------------------------------------------
-def in_push_mode(plan: Plan) -> Plan:
-    """A plan made before anything was known of the conversation (no session, store down): the same, as a pair."""
-    return plan if plan.push else replace(plan, push=True, handle=None, release=None)
-
-
-def first_push_plan(prompt: list[int], claim: Claim) -> Plan:
-    """Push mode: D returns no handle, so there is nothing to read or release; what a later turn can still use
-    is D's own prefix cache. The continuity check says how much of the prompt D computed last turn (what its
-    cache may still hold: nothing pins it, so it is a bet, never a correctness risk, the cache being keyed by
-    the tokens themselves); `push_path` decides whether D alone serves the turn."""
-    if claim.first_turn:
-        return Plan(PlanKind.FULL, Reason.FIRST_TURN, push=True)
-    if claim.missing is not None and claim.missing is not Reason.PUSH_MODE:
-        return Plan(PlanKind.FULL, claim.missing, push=True)        # a concurrent turn, a failed one, ...
-    if claim.held is None or not claim.holder_usable or not claim.same_model:
-        reason = Reason.NO_HANDLE if claim.held is None else (
-            Reason.DECODE_UNAVAILABLE if not claim.holder_usable else Reason.MODEL_CHANGED)
-        return Plan(PlanKind.FULL, reason, push=True)
-    verdict = check(prompt, claim.held, partial_allowed=True)
-    if verdict.kind == "full":
-        return Plan(PlanKind.FULL, Reason(verdict.reason), push=True)
-    return Plan(PlanKind.FULL, Reason.PUSH_MODE, push=True, verified_tokens=verdict.reused_tokens)
-
-
-def push_path(plan: Plan, prompt_tokens: int, block_size: int, on_holder: bool, max_local_tokens: int) -> Plan:
-    """Local (D alone) when the picked D is the one that computed the verified prefix and would compute at most
-    `max_local_tokens` itself; else the pair, P prefilling (`push_mode`), D registering only what its cache
-    lacks. The cost plan's rates are pull mode's (P reading D's KV) and are not used here."""
-    if not plan.push or not plan.verified_tokens or not on_holder or block_size <= 0:
-        return plan
-    hit = min(plan.verified_tokens, prompt_tokens - 1) // block_size * block_size
-    if hit > 0 and prompt_tokens - hit <= max_local_tokens:
-        return to_local(plan, hit)
-    return plan
-
-
 # -- every later change -------------------------------------------------------------------------------------
 class Setback(StrEnum):
     """What a leg reports; the planner decides what it means."""
@@ -289,8 +244,6 @@ def replan(plan: Plan, leg: Leg, setback: Setback) -> Replan:
     """After a leg's setback. Only a refused connection keeps a handle (no engine saw it); anything else may
     have consumed it, so P is redone without one. A local turn's handle was never read (D only used its own
     prefix cache): when D fails, P reads it as on the long path, through another D if D is to blame."""
-    if plan.push:
-        return _replan_pair(plan, leg, setback)
     if plan.local and plan.instead is not None:
         if setback is Setback.REFUSED:        # the holder is down: nobody can read its KV
             return Replan(full(Reason.DECODE_FAILED, release=plan.handle), "prefill", blame=True, costs_retry=True)
@@ -311,13 +264,3 @@ def replan(plan: Plan, leg: Leg, setback: Setback) -> Replan:
     # not at fault; one that timed out without a handle is.
     blame = not (setback is Setback.TIMEOUT and with_handle)
     return Replan(after, "prefill", blame=blame, costs_retry=True)
-
-
-def _replan_pair(plan: Plan, leg: Leg, setback: Setback) -> Replan:
-    """Push mode, once a pair is given up (the same-id redos inside one pair are `turns/reuse/pairing.py`'s): a
-    new pair, with a new request id. D failing on a local turn: the pair, on another D."""
-    if setback is Setback.STALE:
-        return Replan(plan, "pair", blame=False, costs_retry=True)
-    if leg == "decode" and setback is not Setback.REFUSED or plan.local:
-        return Replan(Plan(PlanKind.FULL, Reason.DECODE_FAILED, push=True), "pair", blame=True, costs_retry=True)
-    return Replan(plan, "pair", blame=True, costs_retry=True)

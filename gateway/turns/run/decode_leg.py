@@ -14,10 +14,8 @@ import msgspec
 from gateway.config import Settings
 from gateway.engines import sse
 from gateway.engines.client import EngineClient, EngineStream
-from gateway.engines.probe import pinned_ids_proven
 from gateway.errors import GatewayError
 from gateway.telemetry import Metrics
-from gateway.turns.legs.bodies import decode_body
 from gateway.turns.legs.calls import EngineCalls
 from gateway.turns.legs import chunks
 from gateway.turns.legs.capture import DecodeCapture
@@ -37,18 +35,18 @@ class DecodeLeg:
         self.client, self.calls, self.outcome, self.rates = client, calls, outcome, rates
         self.metrics, self.settings = metrics, settings
 
-    async def run(self, turn: Turn) -> TurnReply:
+    async def run(self, turn: Turn, body: dict[str, Any]) -> TurnReply:
+        """D's leg with the body the transfer protocol built (`TransferProtocol.decode_body`)."""
         if self.streams(turn):
-            return await self._stream(turn)
-        return await self._json(turn)
+            return await self._stream(turn, body)
+        return await self._json(turn, body)
 
     def streams(self, turn: Turn) -> bool:
         """D's answer is relayed as it comes (else a JSON leg, re-streamed if the client asked for a stream)."""
         return turn.req.stream and self.settings.stream_handle_policy == "miss"
 
-    async def _json(self, turn: Turn) -> TurnReply:
+    async def _json(self, turn: Turn, body: dict[str, Any]) -> TurnReply:
         began = time.perf_counter()
-        body = self._body(turn)
         body["stream"] = False
         body.pop("stream_options", None)
         clock = turn.req.clock
@@ -70,13 +68,12 @@ class DecodeLeg:
                              session=turn.session)
         return TurnReply(headers, body=_encode(view), cached_tokens=turn.cached_tokens, session=turn.session)
 
-    async def _stream(self, turn: Turn) -> TurnReply:
-        stream, sent = await self.open_stream(turn)
+    async def _stream(self, turn: Turn, body: dict[str, Any]) -> TurnReply:
+        stream, sent = await self.open_stream(turn, body)
         return self.relayed(turn, stream, sent)
 
-    async def open_stream(self, turn: Turn) -> tuple[EngineStream, float]:
+    async def open_stream(self, turn: Turn, body: dict[str, Any]) -> tuple[EngineStream, float]:
         """D's streamed leg, up to its response headers (and when it was sent)."""
-        body = self._body(turn)
         sent = time.perf_counter()
         if turn.plan.local:              # D's headroom counts it until its first token (reuse/headroom.py)
             turn.local_prefill = (turn.decode, len(turn.req.prompt_ids) - turn.reused_tokens)
@@ -95,11 +92,6 @@ class DecodeLeg:
     def relayed(self, turn: Turn, stream: EngineStream, sent: float) -> TurnReply:
         return TurnReply(turn.reply_headers(self.settings.pd_headers), stream=self._relay(turn, stream, sent),
                          cached_tokens=turn.cached_tokens, session=turn.session)
-
-    def _body(self, turn: Turn) -> dict[str, Any]:
-        return decode_body(turn.req, turn.prefill_handle, local=turn.plan.local, push=turn.plan.push, pair=turn.pair,
-                           stub=pinned_ids_proven(turn.decode),      # D uses the ids it is sent: no history text
-                           hold=turn.plan.hold)
 
     def _first_byte_s(self, turn: Turn) -> float:
         """A push pair's D first waits for P's prefill and WRITE: the pair's own deadline (push_leg.py)."""
@@ -126,8 +118,8 @@ class DecodeLeg:
                     yield out
                 if done:
                     break
-            # push: D never returns one; a plan that asked D to hold nothing expects none
-            if not capture.handle and capture.finished and not turn.plan.push and turn.plan.hold:
+            # a plan that asked D to hold nothing (push mode's all do) expects none
+            if not capture.handle and capture.finished and turn.plan.hold:
                 self.metrics.handles_missing.labels(Reason.HANDLE_NOT_STREAMED.value).inc()
             await self.outcome.record(turn, capture)
             recorded = True

@@ -23,19 +23,23 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from gateway.config import Settings
 from gateway.engines import kv, transfer
 from gateway.engines.engine import Engine
+from gateway.engines.probe import pinned_ids_proven
 from gateway.errors import EngineTimeoutError, UpstreamError
 from gateway.telemetry import Metrics
 from gateway.turns.run.decode_leg import DecodeLeg
 from gateway.turns.legs.calls import EngineCalls, LegSetback
+from gateway.turns.legs.bodies import push_decode_body
 from gateway.turns.legs.pair import PushPair
+from gateway.turns.run.path_choice import PathChoice
 from gateway.turns.run.prefill_leg import PrefillLeg
-from gateway.turns.reuse import pairing
+from gateway.turns.reuse import pairing, push_plans
 from gateway.turns.reuse.pairing import PairStep
-from gateway.turns.reuse.plan import Leg, Replan, Setback
+from gateway.turns.reuse.plan import Leg, Plan, Replan, Setback
 from gateway.turns.run.turn import Turn, TurnReply
 
 log = logging.getLogger("gateway.turn")
@@ -224,8 +228,8 @@ class PushLeg:
         """D's leg; a streamed one is handed over only once its first token is in (after P's WRITE), since its
         headers come at once and a failed load shows as an error event that can still be redone."""
         if not self.decode_leg.streams(turn):
-            return await self.decode_leg.run(turn)
-        stream, sent = await self.decode_leg.open_stream(turn)
+            return await self.decode_leg.run(turn, decode_body(turn))
+        stream, sent = await self.decode_leg.open_stream(turn, decode_body(turn))
         wait_s = turn.pair.decode_wait_s if turn.pair else self.settings.decode_first_byte_timeout_s
         try:
             await self.calls.leg("decode", turn.decode, stream.first_events(wait_s))
@@ -248,3 +252,41 @@ class PushLeg:
         self._background.discard(task)
         if not task.cancelled() and (error := task.exception()) is not None and not isinstance(error, LegSetback):
             log.debug("push P leg ended: %s", error)
+
+
+def decode_body(turn: Turn) -> dict[str, Any]:
+    """D's leg of a pair, or D alone on a local turn (no pair): naming P's identity, never P's blocks."""
+    return push_decode_body(turn.req, turn.pair, local=turn.plan.local, stub=pinned_ids_proven(turn.decode))
+
+
+class PushTransfer:
+    """Push mode as the runner sees it (`run/transfer_protocol.py`'s interface): push plans, pairs, D's body."""
+
+    mode = "push"
+    reads_d_kv = False          # no D->P read exists: nothing to calibrate, no cost plan
+    first_plan = staticmethod(push_plans.first_plan)
+    adopt = staticmethod(push_plans.adopt)
+    replan = staticmethod(push_plans.replan)
+    decode_body = staticmethod(decode_body)
+
+    def __init__(self, push_leg: PushLeg) -> None:
+        self.push_leg = push_leg
+
+    def choose_path(self, turn: Turn, paths: PathChoice) -> Engine | None:
+        """D alone where its cache serves the turn (`push_plans.path`); the pair otherwise. No P is picked now."""
+        record = turn.start.record if turn.start else None
+        if record is not None:
+            on_holder = turn.decode is not None and turn.decode.url == record.decode_engine
+            turn.plan = push_plans.path(turn.plan, len(turn.req.prompt_ids), record.block_size, on_holder,
+                                        paths.local_bound(turn))
+        return None
+
+    @staticmethod
+    def first_leg(plan: Plan) -> Leg:
+        return "decode" if plan.local else "pair"
+
+    async def from_prefill(self, turn: Turn, prefill: Engine) -> TurnReply | None:
+        return await self.push_leg.run(turn, prefill)
+
+    async def drain(self) -> None:
+        await self.push_leg.drain()

@@ -222,9 +222,8 @@ def _missing_reason(record: Conversation) -> Reason:
 
 def _missing_note(req: TurnRequest, capture: DecodeCapture, plan: Plan) -> str:
     if not plan.hold:
-        return Reason.NOT_HELD.value           # none asked for: D's cache and its events carry the next turn
-    if plan.push:
-        return Reason.PUSH_MODE.value          # D never returns a handle in push mode (docs/protocol.md §8.2)
+        # none asked for: D's cache and its events carry the next turn (push mode: D never returns one, §8.2)
+        return plan.unheld.value
     return Reason.HANDLE_NOT_STREAMED.value if req.stream and capture.finished else ""
 
 
@@ -235,7 +234,7 @@ def _held_tokens(handle: kv.Handle | None, plan: Plan, capture: DecodeCapture, t
     KV events or, in push mode, docs/protocol.md §8.2)."""
     if handle is not None:
         return handle.num_tokens or 0
-    unpinned = plan.push or not plan.hold or turned_away
+    unpinned = not plan.hold or turned_away
     if not unpinned or capture.prompt_ids is None or not capture.output_ids_seen:
         return 0
     return max(0, len(capture.prompt_ids) + len(capture.output_ids) - 1)
