@@ -28,7 +28,8 @@ TOP_LEVEL = {
     "__main__": {"cli"},
     "cli": {"app", "serving", "connections", "startup", "demo", "store", "sim", "api", "verify"},   # commands
     "app": {"api", "turns", "engines", "store", "startup"},                # wires everything but the simulator
-    "startup": {"engines", "store", "turns"},
+    "startup": {"engines", "store", "turns", "startup_findings"},
+    "startup_findings": {"engines", "turns"},
     "serving": {"connections"},
     "connections": set(),
     "processes": set(),

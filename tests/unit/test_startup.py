@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from gateway import startup
+from gateway import startup, startup_findings
 from gateway.config import Settings
 from gateway.engines.facts import KvTransfer
-from gateway.startup import EngineReport
+from gateway.startup_findings import EngineReport
 
 KV = {"connector": "NixlConnector", "bidirectional": True}
 
@@ -36,9 +36,9 @@ def test_compare(got, verdict, detail):
 
 def findings(reports, **settings):
     s = Settings(**settings)
-    return [*startup._reachability(reports), *startup._agreement(reports, s), *startup._transfer(reports),
-            *startup._roles(reports), *startup._decoder_ttl(reports, s),
-            *startup._parity(reports, object(), [1]), *startup._store(s, True)]
+    return [*startup_findings.reachability(reports), *startup_findings.agreement(reports, s), *startup_findings.transfer(reports),
+            *startup_findings.roles(reports), *startup_findings.decoder_ttl(reports, s),
+            *startup_findings.parity(reports, object(), [1]), *startup_findings.store(s, True)]
 
 
 @pytest.mark.parametrize(("reports", "settings", "level", "words"), [
@@ -91,12 +91,12 @@ def test_verdict_is_the_worst_finding():
     ([engine(), engine("decode")], {}, False, "degraded"),
 ])
 def test_reuse_sentence(reports, settings, store_ok, starts):
-    assert startup._reuse(reports, Settings(**settings), store_ok).startswith(starts)
+    assert startup_findings.reuse(reports, Settings(**settings), store_ok).startswith(starts)
 
 
 def test_reuse_sentence_names_the_store_scope():
-    assert "--redis-url" in startup._reuse([engine()], Settings(), True)
-    assert "any gateway replica" in startup._reuse([engine()], Settings(redis_url="redis://r:6379"), True)
+    assert "--redis-url" in startup_findings.reuse([engine()], Settings(), True)
+    assert "any gateway replica" in startup_findings.reuse([engine()], Settings(redis_url="redis://r:6379"), True)
 
 
 # -- push mode (docs/protocol.md §8) --------------------------------------------------------------------------
@@ -112,9 +112,9 @@ def test_push_mode_needs_no_bidirectional_transfer_and_reports_its_identities():
     from gateway.engines.transfer import Seen, decide
     reports = [push_engine(push_identity="p0@h:5600 tp 1 pp 1"), push_engine("decode")]
     mode = decide("auto", [Seen(r.role, r.url, "push") for r in reports])
-    assert startup._transfer(reports, mode) == []
+    assert startup_findings.transfer(reports, mode) == []
     assert "push identity p0@h:5600" in reports[0].line()
-    unlearned = startup._transfer([push_engine(), push_engine("decode")], mode)
+    unlearned = startup_findings.transfer([push_engine(), push_engine("decode")], mode)
     assert [f.level for f in unlearned] == ["warn"] and "push identity not learned" in unlearned[0].text
 
 
@@ -122,7 +122,7 @@ def test_a_refused_mode_is_a_failing_finding():
     from gateway.engines.transfer import Seen, decide
     reports = [push_engine(), engine("decode")]
     mode = decide("auto", [Seen("prefill", "http://prefill:1", "push"), Seen("decode", "http://decode:1", "pull")])
-    found = startup._transfer(reports, mode)
+    found = startup_findings.transfer(reports, mode)
     assert any(f.level == "fail" and "mixed KV-transfer modes" in f.text for f in found)
 
 
@@ -132,5 +132,5 @@ def test_a_refused_mode_is_a_failing_finding():
     ({}, False, "degraded"),
 ])
 def test_push_reuse_sentence(settings, store_ok, words):
-    sentence = startup._reuse([push_engine(), push_engine("decode")], Settings(**settings), store_ok, push=True)
+    sentence = startup_findings.reuse([push_engine(), push_engine("decode")], Settings(**settings), store_ok, push=True)
     assert words in sentence and (sentence.startswith("push:") or not store_ok)
