@@ -69,7 +69,7 @@ class Serving:
         except ToolRequestError as exc:
             raise SimRequestError(400, str(exc)) from exc
         try:
-            prompt = self._pinned_prompt(body) or self.renderer.render_chat(
+            prompt = _pinned_prompt(body, self.settings, self.renderer) or self.renderer.render_chat(
                 body.messages, add_generation_prompt=body.add_generation_prompt, tools=body.tools,
                 template_kwargs=body.chat_template_kwargs)
         except RenderError as exc:
@@ -90,7 +90,7 @@ class Serving:
     def completion_call(self, raw: bytes, header_id: str | None) -> Call:
         body = _decode(raw, wire.CompletionRequest)
         self._check_model(body.model)
-        prompt = self._pinned_prompt(body) or self._completion_prompt(body.prompt)
+        prompt = _pinned_prompt(body, self.settings, self.renderer) or _completion_prompt(body.prompt, self.renderer)
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         return self._call("completion", "cmpl-", body, prompt, max_tokens, header_id,
                           _wanted(body.logprobs, None, chat=False))
@@ -134,27 +134,6 @@ class Serving:
         if call.kind == "chat":
             return lp.chat(steps, call.logprobs, self.renderer.decode, as_ids)
         return lp.completion(steps, call.logprobs, self.renderer.decode, as_ids, offset)
-
-    def _pinned_prompt(self, body: wire.SamplingFields) -> list[int] | None:
-        """vLLM 0.32+: `kv_transfer_params.prompt_token_ids` replaces rendering."""
-        params = body.kv_transfer_params or {}
-        ids = params.get("prompt_token_ids")
-        if not self.settings.honour_prompt_token_ids or not ids:
-            return None
-        if not all(isinstance(i, int) and 0 <= i < len(self.renderer) for i in ids):
-            raise SimRequestError(400, "kv_transfer_params.prompt_token_ids holds invalid token ids")
-        return list(ids)
-
-    def _completion_prompt(self, prompt: Any) -> list[int]:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return self.renderer.render_prompt(prompt)
-        if isinstance(prompt, list) and all(isinstance(i, int) for i in prompt):
-            if any(not 0 <= i < len(self.renderer) for i in prompt):
-                raise SimRequestError(400, "Token id out of vocabulary")
-            return list(prompt)
-        raise SimRequestError(400, "Only a single prompt is supported")
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.model:
@@ -325,6 +304,29 @@ class _Framer:
                 top["kv_transfer_params"] = handle
         return wire.sse(wire.chunk(self.call.external_id, self.model, self.created, self.obj, [choice], **top))
 
+
+
+def _pinned_prompt(body: wire.SamplingFields, settings: SimSettings, renderer: Renderer) -> list[int] | None:
+    """vLLM 0.32+: `kv_transfer_params.prompt_token_ids` replaces rendering."""
+    params = body.kv_transfer_params or {}
+    ids = params.get("prompt_token_ids")
+    if not settings.honour_prompt_token_ids or not ids:
+        return None
+    if not all(isinstance(i, int) and 0 <= i < len(renderer) for i in ids):
+        raise SimRequestError(400, "kv_transfer_params.prompt_token_ids holds invalid token ids")
+    return list(ids)
+
+
+def _completion_prompt(prompt: Any, renderer: Renderer) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return renderer.render_prompt(prompt)
+    if isinstance(prompt, list) and all(isinstance(i, int) for i in prompt):
+        if any(not 0 <= i < len(renderer) for i in prompt):
+            raise SimRequestError(400, "Token id out of vocabulary")
+        return list(prompt)
+    raise SimRequestError(400, "Only a single prompt is supported")
 
 
 def _wanted(logprobs: bool | int | None, top_logprobs: int | None, *, chat: bool) -> int | None:
