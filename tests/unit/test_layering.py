@@ -186,3 +186,20 @@ def test_transformers_only_in_render_and_sim():
 @pytest.mark.parametrize("leaf", sorted(LEAVES))
 def test_leaf_modules_import_no_gateway_module(leaf):
     assert not [n for n in imports(ROOT / f"{leaf}.py") if n.startswith("gateway")]
+
+
+# The seams (issue 39): what crosses them goes through one module on each side.
+SEAMS = {
+    "gateway.turns.runner": {"api/turn_entry.py", "app.py"},      # every API's turn goes through run_turn
+    "gateway.turns.reuse.push_plans": {"turns/run/push_leg.py"},  # push mode's plans: its protocol object only
+    "gateway.turns.reuse.pairing": {"turns/run/push_leg.py"},
+    "gateway.turns.run.push_leg": {"turns/run/transfer_protocol.py"},   # chosen at assembly (protocol_for)
+}
+
+
+@pytest.mark.parametrize("module", sorted(SEAMS))
+def test_a_seam_is_crossed_only_where_it_is_meant_to_be(module):
+    own = module.removeprefix("gateway.").replace(".", "/") + ".py"
+    users = {rel for p in ROOT.rglob("*.py") if (rel := p.relative_to(ROOT).as_posix()) != own
+             and module in imports(p) | submodules_imported(p, {module})}
+    assert users <= SEAMS[module], f"{module} is imported by {sorted(users - SEAMS[module])}"
