@@ -23,7 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.engines.capacity import CACHE_INFO, KVCapacity, kv_capacity, parse_samples
+from gateway.engines.capacity import CACHE_INFO, USAGE, KVCapacity, kv_capacity, parse_samples
 from gateway.telemetry import HistogramSnapshot
 
 HISTOGRAMS = {"nixl_xfer_seconds": "vllm:nixl_xfer_time_seconds", "nixl_bytes": "vllm:nixl_bytes_transferred",
@@ -32,7 +32,6 @@ SUMS = {"requests_waiting": "vllm:num_requests_waiting", "requests_running": "vl
         "preemptions": "vllm:num_preemptions_total",
         "nixl_failed_transfers": "vllm:nixl_num_failed_transfers_total",
         "nixl_kv_expired": "vllm:nixl_num_kv_expired_reqs_total"}
-USAGE = "vllm:kv_cache_usage_perc"
 # Of the waiting, those vLLM defers (on D: waiting for P's KV, a pull or push leg in flight), not queued for room.
 BY_REASON = "vllm:num_requests_waiting_by_reason"
 # Only these lines are parsed: a vLLM page is tens of KB, and the loop reads one per engine per round.

@@ -24,10 +24,9 @@ from typing import Any
 from gateway.engines import kv
 from gateway.verify import judge
 from gateway.verify.http import Wire
-from gateway.verify.suite import SEED, TOP_K
+from gateway.verify.suite import ANSWER_TOKENS, SEED, TOP_K
 
 KINDS = ("extend", "handle_longer_than_prompt", "other_conversation")
-ANSWER_TOKENS = 16
 EXTENSION_TOKENS = 96           # more than vLLM's kv_recompute_threshold (64): P really reads
 
 

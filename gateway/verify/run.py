@@ -11,13 +11,13 @@ from urllib.parse import quote
 
 import aiohttp
 
+from gateway.config import DEFAULT_TENANT
 from gateway.engines.capacity import kv_capacity
 from gateway.verify import judge, suite
 from gateway.verify.controls import KINDS, Controls, Target
 from gateway.verify.http import Answer, Wire
 
 DEFAULT_TIMEOUT_S = 120.0
-DEFAULT_TENANT = "default"
 VOCABULARY_WORDS = 400
 
 
