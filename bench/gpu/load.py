@@ -17,6 +17,8 @@ logprobs and judged by gateway/verify/distance.py against C's own noise floor.
     python bench/gpu/load.py --sim [--quick | --smoke]    # the same on timed simulators started here
     python bench/gpu/load.py --report DIR                  # the markdown and PNG again from DIR/load.json
     python bench/gpu/load.py --sim --faults [--smoke]      # D killed, P killed, D at KV capacity (loadfaults.py)
+    python bench/gpu/load.py --faults --gateway URL --prefill URL --decode URL --d-pidfile F --d-restart CMD \
+        --p-pidfile F --p-restart CMD [--coloc URL]        # the same on a deployment (loadfaults_deploy.py)
 Last line: `gpuload: later_p50_vs_coloc= later_p99_vs_coloc= itl_p99_vs_coloc= goodput_vs_coloc=
 goodput_vs_stateless= reuse= errors= flagged=` (the worst point for each ratio).
 """
@@ -261,7 +263,10 @@ def main(argv: list[str] | None = None) -> str:
                     help="with --sim: one more flag for the gateway (write --gateway-flag=--local-first-turns)")
     ap.add_argument("--quick", action="store_true", help="with --sim: a few minutes")
     ap.add_argument("--smoke", action="store_true", help="with --sim: the CI size (about 2 minutes)")
-    ap.add_argument("--faults", action="store_true", help="with --sim: the faults step (bench/gpu/loadfaults.py)")
+    ap.add_argument("--faults", action="store_true", help="the faults step: on simulators with --sim "
+                    "(bench/gpu/loadfaults.py), else on the deployment given (bench/gpu/loadfaults_deploy.py)")
+    from loadfaults_deploy import add_arguments
+    add_arguments(ap)
     ap.add_argument("--report", metavar="DIR", help="only rewrite DIR/load.md and DIR/load.png from DIR/load.json")
     args = ap.parse_args(argv)
     if args.report:
@@ -269,13 +274,9 @@ def main(argv: list[str] | None = None) -> str:
         result.setdefault("summary", stats.summary_line(result["points"], result.get("judge", {}).get("flagged", 0)))
         report(result, args.report)
         return result["summary"]
-    if args.sim and args.faults:
+    if args.faults:
         from loadfaults import run_faults
         line = run_faults(args)
-        if args.out != "-":
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / "faults.json").write_text(json.dumps({"phases": args.faults_rows, "summary": line},
-                                                                   indent=1))
         print(line, flush=True)
         return line
     if args.sim:

@@ -14,6 +14,13 @@
 #                one and two co-located engines; needs `LOAD_ARMS=1` at serve (and ROUTER for vllm-router's arms)
 #                -> $OUT/load/{load.json,load.md,load.png}; LOAD_POINTS, LOAD_DURATION_S, LOAD_THINK_SCALE,
 #                LOAD_DRAIN_S (wait up to this long before each arm and point for D's KV to be free of old pins)
+#   faults       faults under load (bench/gpu/loadfaults_deploy.py) through G4 (needs `LOAD_ARMS=1` at serve):
+#                D killed (its process group, SIGKILL) and started again by $RUN/run_D.sh, then P the same, then D
+#                at KV capacity (the long workload at twice D's KV with KV_GIB=14); C replays sampled turns
+#                -> $OUT/faults/faults.json; FAULTS_DURATION_S (60: load per phase), FAULTS_CONCURRENCY (8),
+#                FAULTS_CAPACITY_CONCURRENCY (32), FAULTS_AFTER_S (20: load once a killed engine is back),
+#                FAULTS_THINK_SCALE (0.1), FAULTS_TURN_TIMEOUT_S (120: a turn past it is hung), FAULTS_KV_WAIT_S
+#                (30), FAULTS_PHASES (d_killed,p_killed,d_at_capacity), FAULTS_BUDGET_S (560: the step's timeout)
 #   report       bench/GPU-RESULTS.md and bench/gpu-results.png from $OUT
 #   stop         end what serve started
 # Environment: MODEL (/tmp/pdgw-bench-model), MODEL_SIZE (3b), OUT (bench/gpu-out), TRANSPORT (auto),
@@ -108,6 +115,28 @@ step_load() {
     ${LOAD_ONLY:+--only $LOAD_ONLY} --drain-s "${LOAD_DRAIN_S:-0}" --points "$points" --duration-s "${LOAD_DURATION_S:-$([ "$quick" = 1 ] && echo 25 || echo 60)}" \
     --think-scale "${LOAD_THINK_SCALE:-$([ "$quick" = 1 ] && echo 0.1 || echo 1)}" --out "$OUT/load" \
     --title "load bench, H200 ($(date -u +%F))"
+}
+
+step_faults() {
+  local run=${RUN:-/tmp/pdgw-gpu} pp=""
+  say "faults: ${FAULTS_PHASES:-d_killed,p_killed,d_at_capacity}, ${FAULTS_DURATION_S:-60} s of load each"
+  # The engines start again with the environment serve.sh gave them (its exports; run_P.sh / run_D.sh set only
+  # their own) and the PYTHONPATH they had, not load.py's
+  [ -n "${PYTHONPATH:-}" ] && printf -v pp 'PYTHONPATH=%q ' "$PYTHONPATH"
+  local again="env -u PYTHONPATH ${pp}NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1"
+  again+=" VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 VLLM_SERVER_DEV_MODE=1"
+  again+=" VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 setsid bash"
+  local args=(--faults --gateway http://127.0.0.1:8003
+              --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
+              --p-pidfile "$run/P.pid" --p-restart "$again $run/run_P.sh"
+              --d-pidfile "$run/D.pid" --d-restart "$again $run/run_D.sh")
+  curl -sf -m 2 http://127.0.0.1:8300/health > /dev/null && args+=(--coloc http://127.0.0.1:8300)
+  PYTHONPATH="${GW_PATH:+$GW_PATH:}$ROOT" timeout "${FAULTS_BUDGET_S:-560}" "$PY" "$HERE/load.py" "${args[@]}" \
+    --faults-phases "${FAULTS_PHASES:-d_killed,p_killed,d_at_capacity}" \
+    --faults-duration-s "${FAULTS_DURATION_S:-60}" --faults-concurrency "${FAULTS_CONCURRENCY:-8}" \
+    --faults-capacity-concurrency "${FAULTS_CAPACITY_CONCURRENCY:-32}" --faults-after-s "${FAULTS_AFTER_S:-20}" \
+    --faults-kv-wait-s "${FAULTS_KV_WAIT_S:-30}" --think-scale "${FAULTS_THINK_SCALE:-0.1}" \
+    --turn-timeout-s "${FAULTS_TURN_TIMEOUT_S:-120}" --out "$OUT/faults"
 }
 
 step_report() {
