@@ -5,7 +5,8 @@ follows P's prefill and the write, with no hand-over between P's answer and D's 
 A pair is P's leg (prefill_leg.py as on a first turn; P's handle is not needed) and D's (decode_leg.py, naming
 P's identity instead of P's blocks). Which leg may be redone after a setback, and with which id, is
 `reuse/pairing.py`'s decision, carried out here; a pair given up goes to the runner as a `LegSetback`, and
-`plan.replan` starts the next pair, with a new id.
+`push_plans.replan` starts the next pair, with a new id. `PushTransfer` (at the end) is push mode as the runner
+sees it (`transfer_protocol.py`).
 
 Deadlines: each P attempt has `prefill_timeout_s`. D has the pair's own (`PushPair.decode_wait_s`: P's attempts
 plus D's first byte) and, once P has answered, `decode_first_byte_timeout_s`: vLLM never ends a D that waits for
@@ -31,15 +32,15 @@ from gateway.engines.engine import Engine
 from gateway.engines.probe import pinned_ids_proven
 from gateway.errors import EngineTimeoutError, UpstreamError
 from gateway.telemetry import Metrics
-from gateway.turns.run.decode_leg import DecodeLeg
-from gateway.turns.legs.calls import EngineCalls, LegSetback
 from gateway.turns.legs.bodies import push_decode_body
+from gateway.turns.legs.calls import EngineCalls, LegSetback
 from gateway.turns.legs.pair import PushPair
-from gateway.turns.run.path_choice import PathChoice
-from gateway.turns.run.prefill_leg import PrefillLeg
 from gateway.turns.reuse import pairing, push_plans
 from gateway.turns.reuse.pairing import PairStep
 from gateway.turns.reuse.plan import Leg, Plan, Replan, Setback
+from gateway.turns.run.decode_leg import DecodeLeg
+from gateway.turns.run.path_choice import PathChoice
+from gateway.turns.run.prefill_leg import PrefillLeg
 from gateway.turns.run.turn import Turn, TurnReply
 
 log = logging.getLogger("gateway.turn")
