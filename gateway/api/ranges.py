@@ -4,8 +4,8 @@ field, never an engine's 500 relayed as a 502 (issue 38: `seed` = 2**80 was "eng
 From vLLM 0.32: its protocol models bound `seed` and `priority` to int64 (`Field(ge=_INT64_MIN, le=_INT64_MAX)`,
 entrypoints/openai/chat_completion/protocol.py), and every integer it passes on travels to the engine core by
 MessagePack, which holds 64 bits and no more (sampling_params.py `_verify_extra_args`); `SamplingParams._verify_args`
-refuses the penalties, `top_p`, `top_k`, `min_p`, `min_tokens` and empty stop strings checked here. The sampling
-fields the gateway does not read are still forwarded as sent: this only refuses.
+refuses the penalties, `top_p`, `top_k`, `min_p`, `min_tokens` (at least 0, at most `max_tokens`) and empty stop
+strings checked here. The sampling fields the gateway does not read are still forwarded as sent: this only refuses.
 """
 
 from __future__ import annotations
@@ -48,6 +48,10 @@ def check(body: dict[str, Any]) -> None:
     stop = body.get("stop")
     if isinstance(stop, list) and any(s == "" for s in stop) or stop == "":
         raise InvalidRequestError("stop cannot contain an empty string", param="stop")
+    least, most = body.get("min_tokens"), body.get("max_completion_tokens", body.get("max_tokens"))
+    if _number(least) and _number(most) and least > most:
+        raise InvalidRequestError(f"min_tokens must be less than or equal to max_tokens={most}, got {least}",
+                                  param="min_tokens")
 
 
 def _number(value: Any) -> bool:

@@ -112,6 +112,7 @@ REFUSED = [
     ("/v1/chat/completions", "min_p", 1.5), ("/v1/chat/completions", "top_k", -2),
     ("/v1/chat/completions", "stop", ["ok", ""]), ("/v1/chat/completions", "max_tokens", 2**80),
     ("/v1/messages", "top_k", 2**80), ("/v1/responses", "top_p", 1.5),
+    ("/v1/chat/completions", "min_tokens", 2**31),       # above max_tokens: the sim spun generating it once
 ]
 
 

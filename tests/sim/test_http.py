@@ -174,6 +174,9 @@ def test_completions_with_token_prompt(sims: Sims, fleet: Fleet) -> None:
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10 ** 6}, 400, "BadRequestError"),
     ({"messages": "not a list"}, 400, "BadRequestError"),
     ({"messages": [{"role": "user", "content": "x"}], "seed": 2 ** 63}, 400, "BadRequestError"),   # vLLM: int64
+    # vLLM's SamplingParams._verify_args: min_tokens in [0, max_tokens] (the sim once spun generating 2**31)
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 8, "min_tokens": 2 ** 31}, 400, "BadRequestError"),
+    ({"messages": [{"role": "user", "content": "x"}], "min_tokens": -1}, 400, "BadRequestError"),
 ])
 def test_error_shapes(sims: Sims, fleet: Fleet, body: dict[str, Any], status: int, kind: str) -> None:
     [c] = fleet("c")
