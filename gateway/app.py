@@ -23,45 +23,26 @@ from gateway.api.messages_routes import MESSAGES_ROUTES
 from gateway.api.responses_routes import RESPONSES_ROUTES
 from gateway.api.routes import ROUTES
 from gateway.api.turn_entry import Gateway
-from gateway.config import Settings, engine_names
+from gateway.assembly import ModelStack, build
+from gateway.config import Settings, engine_names, model_label
 from gateway.engines.client import EngineClient
-from gateway.engines.health import HealthChecker
-from gateway.engines.kv_events import KVEventFeeds, parse_mapping
-from gateway.engines.pool import EnginePool
-from gateway.engines.registry import EngineRegistry
-from gateway.engines.transfer import Mode, PushIdentities, TransferModeError
-from gateway.startup import gather as startup_report
-from gateway.startup import PinnedIdsProof, log_report
 from gateway.store import ConversationStore, open_store
 from gateway.telemetry import Metrics
 from gateway.tracing import Tracing, start_tracing
-from gateway.turns.legs.calibration import PROBE_TEXT, RateProbe
-from gateway.turns.legs.calls import EngineCalls
-from gateway.turns.admin_actions import ConversationAdmin, EngineAdmin
-from gateway.turns.intake.continued import Continuation
-from gateway.turns.intake.intake import Intake
-from gateway.turns.legs.release import HandleReleaser
-from gateway.turns.intake.render import Renderer
-from gateway.turns.state.budget import PinBudget
-from gateway.turns.state.earning import PinEarnings
-from gateway.turns.state.pins import PinLedger
-from gateway.turns.state.replicas import ReplicaShare
+from gateway.turns.run.admission import Admission
 from gateway.turns.state.stored_responses import StoredResponses
-from gateway.turns.state.state import ConversationState
-from gateway.turns.runner import TurnRunner
 
 # What handlers are given, by parameter name: resources the lifespan builds and keeps in the app's state.
-_PROVIDED = ("gateway", "settings", "metrics", "intake", "api_keys", "conversations", "fleet", "readiness")
+_PROVIDED = ("gateway", "settings", "metrics", "api_keys", "readiness")
 
 log = logging.getLogger("gateway")
-PROBE_STARTUP_WAIT_S = 20.0
 
 
 def create_app(settings: Settings, tracing: Tracing | None = None,
                reload: Callable[[], Settings] | None = None) -> Litestar:
     """`tracing`: defaults to what the settings ask for; tests pass one with an in-memory exporter.
     `reload`: re-reads the configuration on SIGHUP (engines are added and removed; nothing else changes)."""
-    if not settings.prefill or not settings.decode:
+    if not all(s.settings.prefill and s.settings.decode for s in settings.deployment()):
         raise ValueError("at least one --prefill and one --decode engine are needed")
     tracing = tracing or start_tracing(settings.tracing, settings.otlp_endpoint)
     return Litestar(
@@ -87,51 +68,24 @@ async def _lifespan(app: Litestar, settings: Settings, tracing: Tracing,
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         client = EngineClient(session)
-        names = engine_names(settings)
-        prefill, decode = EnginePool("prefill", settings.prefill, names), EnginePool("decode", settings.decode, names)
         store = open_store(settings.redis_url, settings.conversation_ttl_s)
-        health = HealthChecker(client, [prefill, decode], state.metrics, settings.health_interval_s)
-        feeds = KVEventFeeds(parse_mapping(settings.kv_events), [prefill, decode], state.metrics)
-        feeds.start()                        # before the first turn: a publisher's seq 0 then says "complete"
-        await health.check_all()
-        renderer = Renderer(settings.tokenizer, settings.chat_template)
-        report = await startup_report(client, prefill, decode, renderer, store, settings)
-        log_report(report)
-        if report.transfer.refusal:          # a mixed pool cannot pair: say so once and do not start
-            log.error("pd-gateway refuses to start: %s", report.transfer.refusal)
-            raise TransferModeError(report.transfer.refusal)
-        health.on_readmit.append(PinnedIdsProof(client, renderer, settings.model).engine_back)
-        models, block_size = report.models, report.block_size
-        if report.transfer.push:             # a P back may be a restarted one with a new identity
-            health.on_readmit.append(PushIdentities(client, decode, settings.model, block_size).engine_back)
-        state.intake = Intake(renderer, models, settings.max_messages, settings.history_tokens,
-                              report.max_model_len)
-        runner = _runner(client, prefill, decode, store, state.metrics, settings, block_size,
-                         models[0] if models else "", tracing, renderer, report.transfer.mode)
-        state.gateway = Gateway(state.api_keys, state.intake, state.metrics, runner, settings,
-                                StoredResponses(store, state.metrics), Continuation(state.intake))
-        state.conversations = ConversationAdmin(store, runner.releaser, runner.state.pins)
-        state.readiness = lambda: _readiness(store, prefill, decode)
-        registry = EngineRegistry(prefill, decode, health, state.metrics)
-        state.fleet = EngineAdmin(prefill, decode, registry, runner.state.pins)
-        checker = asyncio.create_task(health.run())
-        ledger = runner.state.pins.pins
-        sharing = asyncio.create_task(ReplicaShare(store, ledger.budget).run()) if ledger is not None else None
-        probing = await _calibrated(runner, prefill, decode, renderer, health, state.metrics, settings,
-                                    models[0] if models else "")
-        gc.freeze()      # start-up's objects (transformers, jinja, ...) leave the collector's scans for good
-        reloading = _reload_on_sighup(registry, reload) if reload else contextlib.nullcontext()
+        setups = settings.deployment()
+        stacks: list[ModelStack] = []
+        admission = Admission(settings.max_concurrent_turns, settings.max_queued_prompt_tokens)    # the process's
         try:
+            for setup in setups:         # one after the other: each logs its own start-up report
+                label = model_label(setup.settings.model) + "." if len(setups) > 1 and setup.settings.model else ""
+                stacks.append(await build(setup, client, store, state.metrics, tracing, admission, label))
+            state.gateway = Gateway(state.api_keys, state.metrics, settings, [s.route for s in stacks],
+                                    StoredResponses(store, state.metrics))
+            state.readiness = lambda: _readiness(store, stacks)
+            gc.freeze()      # start-up's objects (transformers, jinja, ...) leave the collector's scans for good
+            reloading = _reload_on_sighup(stacks, reload) if reload else contextlib.nullcontext()
             with reloading:
                 yield
         finally:
-            checker.cancel()
-            await feeds.stop()
-            if sharing is not None:
-                sharing.cancel()
-            if probing is not None:
-                probing.cancel()
-            await runner.drain()
+            for stack in stacks:
+                await stack.stop()
             await store.close()
             tracing.shutdown()
 
@@ -142,50 +96,26 @@ def _from_state(name: str) -> Callable[[State], Any]:
     return provide
 
 
-def _runner(client: EngineClient, prefill: EnginePool, decode: EnginePool, store: ConversationStore,
-            metrics: Metrics, settings: Settings, block_size: int, model: str, tracing: Tracing,
-            renderer: Renderer, transfer_mode: Mode = "pull") -> TurnRunner:
-    """The turn machinery: engine calls, the handle releaser and the conversation state, shared by every turn."""
-    calls = EngineCalls(metrics)
-    releaser = HandleReleaser(client, prefill, calls, metrics, model)
-    earnings = PinEarnings(settings.decode_pin_budget, settings.handle_ttl_s, settings.decode_pin_policy == "adaptive")
-    pins = PinLedger(PinBudget(settings.decode_pin_budget, block_size), earnings) if block_size else None
-    state = ConversationState(store=store, decode=decode, releaser=releaser, metrics=metrics, settings=settings,
-                              block_size=block_size, renderer=renderer, pins=pins)
-    return TurnRunner(client=client, prefill=prefill, decode=decode, state=state, calls=calls, releaser=releaser,
-                      metrics=metrics, settings=settings, tracing=tracing, transfer_mode=transfer_mode)
-
-
-async def _calibrated(runner: TurnRunner, prefill: EnginePool, decode: EnginePool, renderer: Renderer,
-                      health: HealthChecker, metrics: Metrics, settings: Settings, model: str) -> asyncio.Task | None:
-    """Under the cost plan, the rates it weighs: probed per P-D pair before serving (at most a few seconds'
-    wait), then kept fresh in the background. None when there is nothing to calibrate."""
-    metrics.learned_rates.source = runner.rates.known
-    if settings.reuse_policy != "cost" or not settings.rate_probe_tokens or not runner.transfer.reads_d_kv:
-        return None              # push mode has no read of D's KV to calibrate (docs/protocol.md §8)
-    probe = RateProbe(client=runner.client, calls=runner.calls, prefill=prefill, decode=decode, rates=runner.rates,
-                      releaser=runner.releaser, vocabulary=renderer.encode(PROBE_TEXT), model=model,
-                      settings=settings)
-    health.on_readmit.append(probe.engine_back)
-    task = asyncio.create_task(probe.run())
-    await probe.wait_first_pass(PROBE_STARTUP_WAIT_S)
-    return task
-
-
 @contextlib.contextmanager
-def _reload_on_sighup(registry: EngineRegistry, reload: Callable[[], Settings]) -> Iterator[None]:
+def _reload_on_sighup(stacks: list[ModelStack], reload: Callable[[], Settings]) -> Iterator[None]:
     loop = asyncio.get_running_loop()
     tasks: set[asyncio.Task] = set()
 
     async def apply() -> None:
         try:
-            fresh = reload()
+            fresh = {s.settings.model: s.settings for s in reload().deployment()}
         except (SystemExit, ValueError) as exc:       # a bad file keeps the running configuration
             log.error("configuration reload refused: %s", exc)
             return
-        for pool in registry.pools.values():      # engines joining now get the names the reloaded file gives
-            pool.names.update(engine_names(fresh))
-        log.warning("configuration reloaded: %s", await registry.sync(fresh.prefill, fresh.decode))
+        for stack in stacks:         # each model's engines as the file now names them (models themselves stay)
+            now = fresh.get(stack.setup.settings.model)
+            if now is None:
+                log.error("configuration reload: model %r is no longer in the file; it keeps its engines (adding "
+                          "or removing a model needs a restart)", stack.setup.settings.model)
+                continue
+            for pool in stack.registry.pools.values():      # engines joining now get the names the file gives
+                pool.names.update(engine_names(now))
+            log.warning("configuration reloaded: %s", await stack.registry.sync(now.prefill, now.decode))
 
     def on_signal() -> None:
         task = loop.create_task(apply())
@@ -199,12 +129,12 @@ def _reload_on_sighup(registry: EngineRegistry, reload: Callable[[], Settings]) 
         loop.remove_signal_handler(signal.SIGHUP)
 
 
-async def _readiness(store: ConversationStore, prefill: EnginePool, decode: EnginePool) -> dict[str, Any]:
+async def _readiness(store: ConversationStore, stacks: list[ModelStack]) -> dict[str, Any]:
     try:
         store_ok = await store.ping()
     except Exception:  # any store failure only degrades readiness
         store_ok = False
-    engines_ok = bool(prefill.healthy()) and bool(decode.healthy())
+    engines_ok = all(s.prefill.healthy() and s.decode.healthy() for s in stacks)    # every model can serve
     degraded = [] if store_ok else ["store_unavailable: turns are served stateless (plan full)"]
     store_name = "embedded" if store.kind == "memory" else store.kind      # as the report and the docs say
     # Open to anyone (load balancers, orchestrators): it says nothing of the engines beyond `ready`.

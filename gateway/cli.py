@@ -103,6 +103,8 @@ def settings_parser(prog: str, description: str | None = None) -> argparse.Argum
                                          "(precedence: flags > PDGW_* env > file > defaults)")
     parser.add_argument("--port-file", help="write the bound port here once listening (for supervisors and tests)")
     for field in msgspec.structs.fields(Settings):
+        if field.name in config.FILE_ONLY:
+            continue
         flag = "--" + field.name.replace("_", "-")
         kind = _plain(field.type)
         env = config.ENV_PREFIX + field.name.upper()
@@ -158,8 +160,9 @@ def serve(argv: list[str]) -> None:
     except ValueError as exc:
         raise SystemExit(f"pd-gateway serve: {exc}") from None
     from gateway.startup import transfer_preflight
-    if refusal := asyncio.run(transfer_preflight(settings)).refusal:   # a mixed pool: one line, not a start
-        raise SystemExit(f"pd-gateway serve: refused: {refusal}")
+    for setup in settings.deployment():         # each model's pools: a mixed one is one line, not a start
+        if refusal := asyncio.run(transfer_preflight(setup.settings)).refusal:
+            raise SystemExit(f"pd-gateway serve: refused: {refusal}")
     limits = Limits(settings.header_timeout_s, settings.body_timeout_s,
                     settings.max_connections or default_max_connections())
     try:
@@ -185,9 +188,13 @@ def check(argv: list[str]) -> None:
     parser.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
     settings, args = parse_settings(argv, "pd-gateway check", parser)
     setup_logging("error", settings.log_format)
-    report = asyncio.run(run_check(settings))
-    print(json.dumps(report.to_dict(), indent=2) if args.json else "\n".join(report.lines()))
-    if report.verdict == "fail" or (args.strict and report.verdict == "warn"):
+    reports = [asyncio.run(run_check(setup.settings)) for setup in settings.deployment()]     # one per model
+    if args.json:
+        print(json.dumps([r.to_dict() for r in reports] if settings.models else reports[0].to_dict(), indent=2))
+    else:
+        print("\n\n".join("\n".join(r.lines()) for r in reports))
+    verdicts = {r.verdict for r in reports}
+    if "fail" in verdicts or (args.strict and "warn" in verdicts):
         raise SystemExit(1)
 
 

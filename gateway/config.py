@@ -8,11 +8,12 @@ setting and where its value came from. Nothing here imports other gateway module
 from __future__ import annotations
 
 import difflib
+import hashlib
 import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
@@ -62,6 +63,37 @@ Fraction = Annotated[float, msgspec.Meta(ge=0, le=1)]
 
 class ConfigError(ValueError):
     """Invalid configuration; the message names the setting."""
+
+
+class ModelSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One model of a settings file's `models` (issue 39): the name requests give (`model`, or an alias), its own P
+    and D engines, tokenizer and chat template, and the settings that are per model; those left out are the
+    file's (or the flags') top-level ones."""
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    aliases: list[str] = []
+    prefill: list[str]
+    decode: list[str]
+    engine_names: list[str] | None = None
+    kv_events: list[str] | None = None
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    block_size: PositiveInt | None = None
+    decoder_kv_blocks_ttl_s: NonNegativeSeconds | None = None
+    decode_kv_lease_s: NonNegativeSeconds | None = None
+    decode_pin_budget: Fraction | None = None
+    reuse_policy: ReusePolicy | None = None
+    kv_transfer_mode: KVTransferMode | None = None
+    local_prefill_max_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    local_itl_budget_ms: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    local_first_turns: bool | None = None
+
+
+class ModelSetup(NamedTuple):
+    """One model as the gateway serves it: its settings (the top level with the model's own), its aliases, and
+    the scope its conversations are kept in (None: the tenant's own, as with one model)."""
+    settings: Settings
+    aliases: tuple[str, ...] = ()
+    scope: str | None = None
 
 
 class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -122,8 +154,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_concurrent_turns: PositiveInt = 1024
     max_queued_prompt_tokens: PositiveInt = 4_000_000     # prompt tokens admitted but not yet prefilled
     max_messages: PositiveInt = 4096
+    models: list[ModelSettings] = []               # several models, each with its engines (settings file only)
 
     def __post_init__(self) -> None:
+        self._check_models()
         for name in ("prefill", "decode"):
             for url in getattr(self, name):
                 _check_url(name, url, ("http", "https"))
@@ -154,6 +188,27 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
                 raise ValueError(f"agent_session_headers: {name!r} is not an HTTP header name")
 
+    def deployment(self) -> list[ModelSetup]:
+        """The models served: the `models` of the file, else one, the top-level settings (the flags' shorthand).
+        With several, each model's conversations are kept in a scope of their own (a session id used with two
+        models is two conversations)."""
+        if not self.models:
+            return [ModelSetup(self)]
+        return [ModelSetup(msgspec.structs.replace(self, models=[], model=m.name, **_own(m)), tuple(m.aliases),
+                           model_scope(m.name)) for m in self.models]
+
+    def _check_models(self) -> None:
+        if self.models and (self.prefill or self.decode or self.model):
+            raise ValueError("models: given, the engines and the served name are each model's: leave prefill, "
+                             "decode and model out of the top level")
+        names = [n for m in self.models for n in (m.name, *m.aliases)]
+        if len(set(names)) < len(names):
+            raise ValueError(f"models: a name or alias is given twice in {names}")
+        for m in self.models:
+            if not m.prefill or not m.decode:
+                raise ValueError(f"models: {m.name!r} needs at least one prefill and one decode engine")
+            msgspec.structs.replace(self, models=[], model=m.name, **_own(m))     # its settings checked
+
     @property
     def handle_ttl_s(self) -> float:
         """How long a stored D handle stays usable: D unpins at its TTL; P refuses reads 5 s before it."""
@@ -167,6 +222,21 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return max(0.0, self.decode_kv_lease_s - self.prefill_handle_timeout_s - READ_DECLINE_MARGIN_S)
 
 
+def _own(model: ModelSettings) -> dict[str, Any]:
+    return {k: v for k, v in msgspec.structs.asdict(model).items() if v is not None and k not in ("name", "aliases")}
+
+
+def model_label(name: str) -> str:
+    """A model's name as its engines' default metric names begin where several models are served."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:48]
+
+
+def model_scope(name: str) -> str:
+    """A model's conversation scope: a tenant's conversations with it are kept as `TENANT.SCOPE` (store/base.py
+    allows the 9 more characters), the same for the model's whole life, whatever else is deployed."""
+    return "m" + hashlib.blake2b(name.encode(), digest_size=4).hexdigest()
+
+
 def engine_names(settings: Settings) -> dict[str, str]:
     """URL → the name it is shown by in metrics (`--engine-names NAME=URL`)."""
     return {url.rstrip("/"): name for name, _, url in (e.partition("=") for e in settings.engine_names)}
@@ -174,6 +244,7 @@ def engine_names(settings: Settings) -> dict[str, str]:
 
 FIELDS: dict[str, Any] = {f.name: f.type for f in msgspec.structs.fields(Settings)}
 SECRETS = ("admin_key", "api_keys")
+FILE_ONLY = ("models",)          # settings a flag or a variable cannot hold
 URL_FIELDS = ("prefill", "decode", "redis_url", "otlp_endpoint")
 
 
@@ -247,6 +318,8 @@ def from_env(environ: dict[str, str] | None = None) -> dict[str, Any]:
         name = key[len(ENV_PREFIX):].lower()
         if name not in FIELDS:
             raise ConfigError(f"unknown environment variable {key}{_suggest(name, env=True)}")
+        if name in FILE_ONLY:
+            raise ConfigError(f"{key}: {name} is given in a settings file (--config) only")
         if value != "":
             out[name] = [v.strip() for v in value.split(",") if v.strip()] if FIELDS[name] == list[str] else value
     return out

@@ -138,12 +138,25 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+class Sources:
+    """A collector's rows, from every part that has some (each model's engines, its rates), read at scrape time."""
+
+    def __init__(self) -> None:
+        self._each: list[Callable[[], Iterable[Any]]] = []
+
+    def add(self, source: Callable[[], Iterable[Any]]) -> None:
+        self._each.append(source)
+
+    def __call__(self) -> list[Any]:
+        return [row for source in self._each for row in source()]
+
+
 class LearnedRates:
     """`pdgw_learned_rate_tokens_per_second{rate, prefill, decode}`: the cost plan's rates (P's prefill, P reading
     D's KV), read from `source` at scrape time so the turns that update them pay nothing."""
 
     def __init__(self, name: Callable[[str], str] = str) -> None:
-        self.source: Callable[[], list[tuple[str, str, str, float]]] = list
+        self.source = Sources()
         self._name = name            # engine URL → its label
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -212,7 +225,7 @@ class EngineDataPlane:
     (pool, engine name, readings) with the ENGINE_FAMILIES attributes (None: not reported by that engine)."""
 
     def __init__(self) -> None:
-        self.source: Callable[[], Iterable[tuple[str, str, Any]]] = list
+        self.source = Sources()
 
     def collect(self) -> Iterator[Metric]:
         rows = list(self.source())
@@ -243,7 +256,7 @@ class KVEventsState:
     KNOWLEDGE = ("unknown", "partial", "complete")
 
     def __init__(self) -> None:
-        self.source: Callable[[], Iterable[tuple[str, str, int, str, int]]] = list
+        self.source = Sources()
 
     def collect(self) -> Iterator[Metric]:
         rows = list(self.source())

@@ -20,7 +20,7 @@ from gateway.api import messages as api
 from gateway.api.message_events import MessageEvents
 from gateway.api.schemas import ChatRequest, parse
 from gateway.api.sessions import session_id
-from gateway.api.turn_entry import Gateway, TurnCall, dropped_tools, request_id, respond, run_turn
+from gateway.api.turn_entry import Gateway, ModelRoute, TurnCall, dropped_tools, request_id, respond, run_turn
 from gateway.turns.admin_actions import ConversationKey
 
 _encode = msgspec.json.Encoder().encode
@@ -32,14 +32,16 @@ async def create_message(request: Request, gateway: NamedDependency[Gateway]) ->
     arrived = time.perf_counter()
     tenant = gateway.api_keys.tenant_for(_authorization(request))
     req = api.parse_request(await request.body())
-    body, parsed = _chat(req, gateway)
+    route = gateway.route(req.model)
+    tenant = route.scoped(tenant)
+    body, parsed = _chat(req, route)
     settings = gateway.settings
     system = (api.system_text(req) or "").encode("utf-8", "surrogatepass")
     session = session_id(request.headers, {}, settings.session_header, settings.agent_session_headers, system,
                          body.get("tools") or (), settings.session_scope)
     key = ConversationKey(tenant, session) if session else None
     turn, reply = await run_turn(gateway, TurnCall(
-        tenant, key, lambda: gateway.intake.chat(body, parsed, request_id(request)), arrived))
+        route, tenant, key, lambda: route.intake.chat(body, parsed, request_id(request)), arrived))
     dropped_tools(reply, api.hosted_tools(req))
     message_id = api.new_id()
     if reply.stream is not None:
@@ -55,16 +57,18 @@ async def count_tokens(request: Request, gateway: NamedDependency[Gateway]) -> d
     """The request's prompt tokens as the turn would send them: translated and rendered with the model's chat
     template (tools included), nothing run. `max_tokens` is not part of this request (Anthropic's API)."""
     gateway.api_keys.tenant_for(_authorization(request))
-    body, parsed = _chat(api.parse_request(await request.body(), counting=True), gateway)
-    return {"input_tokens": len(gateway.intake.chat(body, parsed, request_id(request)).prompt_ids)}
+    req = api.parse_request(await request.body(), counting=True)
+    route = gateway.route(req.model)
+    body, parsed = _chat(req, route)
+    return {"input_tokens": len(route.intake.chat(body, parsed, request_id(request)).prompt_ids)}
 
 
 MESSAGES_ROUTES = [create_message, count_tokens]
 
 
-def _chat(req: api.MessagesRequest, gateway: Gateway) -> tuple[dict[str, Any], ChatRequest]:
+def _chat(req: api.MessagesRequest, route: ModelRoute) -> tuple[dict[str, Any], ChatRequest]:
     """The request as the chat body the turn runs (its model named as the gateway serves it)."""
-    return parse(_encode(api.chat_body(req, gateway.intake.model_for(req.model) or None)), ChatRequest)
+    return parse(_encode(api.chat_body(req, route.intake.model_for(req.model) or None)), ChatRequest)
 
 
 def _authorization(request: Request) -> str | None:

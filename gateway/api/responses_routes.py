@@ -13,8 +13,8 @@ D's handle, the other is planned against what D holds (partial or full), as any 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator
-from typing import Any
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import msgspec
 from litestar import Request, Response, delete, get, post
@@ -27,10 +27,12 @@ from gateway.api.response_events import ResponseEvents
 from gateway.api.schemas import ChatRequest, parse
 from gateway.api.sessions import session_id
 from gateway.api.turn_entry import Gateway, TurnCall, dropped_tools, request_id, respond, run_turn
+from gateway.errors import NotFoundError
 from gateway.turns.admin_actions import ConversationKey
 from gateway.turns.intake.continued import Previous, Thread
 from gateway.turns.intake.request import TurnRequest
 
+T = TypeVar("T")
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
 
@@ -40,7 +42,9 @@ async def create_response(request: Request, gateway: NamedDependency[Gateway]) -
     arrived = time.perf_counter()
     tenant = gateway.api_keys.tenant_for(request.headers.get("authorization"))
     req = api.parse_request(await request.body())
-    model = gateway.intake.model_for(req.model)
+    route = gateway.route(req.model)
+    tenant = route.scoped(tenant)       # a response id names a response of this model only
+    model = route.intake.model_for(req.model)
     previous: Previous | None = None
     loading = time.perf_counter()
     if req.previous_response_id is not None:
@@ -55,11 +59,11 @@ async def create_response(request: Request, gateway: NamedDependency[Gateway]) -
 
     def render() -> TurnRequest:
         nonlocal thread
-        turn, thread = gateway.continuation.turn(previous, req.instructions, body, parsed, request_id(request))
+        turn, thread = route.continuation.turn(previous, req.instructions, body, parsed, request_id(request))
         turn.on_recorded = captured.append
         return turn
 
-    turn, reply = await run_turn(gateway, TurnCall(tenant, key, render, arrived, store_s))
+    turn, reply = await run_turn(gateway, TurnCall(route, tenant, key, render, arrived, store_s))
     dropped_tools(reply, api.hosted_tools(req.tools))
     if key is None and reply.session is not None and req.store is not False:
         session = reply.session.session       # found by its tokens (or new): the chain continues there
@@ -75,18 +79,28 @@ async def create_response(request: Request, gateway: NamedDependency[Gateway]) -
 @get("/v1/responses/{response_id:str}")
 async def get_response(request: Request, response_id: FromPath[str], gateway: NamedDependency[Gateway]) -> Response:
     tenant = gateway.api_keys.tenant_for(request.headers.get("authorization"))
-    body = await gateway.responses.body(tenant, response_id)
+    body = await _in_any_model(gateway, tenant, lambda scoped: gateway.responses.body(scoped, response_id))
     return Response(body, media_type="application/json")
 
 
 @delete("/v1/responses/{response_id:str}", status_code=200)
 async def delete_response(request: Request, response_id: FromPath[str], gateway: NamedDependency[Gateway]) -> dict[str, Any]:
     tenant = gateway.api_keys.tenant_for(request.headers.get("authorization"))
-    await gateway.responses.delete(tenant, response_id)
+    await _in_any_model(gateway, tenant, lambda scoped: gateway.responses.delete(scoped, response_id))
     return {"id": response_id, "object": "response", "deleted": True}
 
 
 RESPONSES_ROUTES = [create_response, get_response, delete_response]
+
+
+async def _in_any_model(gateway: Gateway, tenant: str, act: Callable[[str], Awaitable[T]]) -> T:
+    """A response id names no model: each model's scope is tried (one model: the tenant's own)."""
+    for route in gateway.routes[:-1]:
+        try:
+            return await act(route.scoped(tenant))
+        except NotFoundError:
+            continue
+    return await act(gateway.routes[-1].scoped(tenant))
 
 
 def _new_session(request: Request, gateway: Gateway, req: api.ResponsesRequest, body: dict[str, Any],

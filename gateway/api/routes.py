@@ -28,20 +28,19 @@ Readiness = Callable[[], Awaitable[dict[str, Any]]]
 
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request, gateway: NamedDependency[Gateway]) -> ASGIApp:
-    return await _turn(request, gateway, ChatRequest, gateway.intake.chat)
+    return await _turn(request, gateway, ChatRequest, Intake.chat)
 
 
 @post("/v1/completions", status_code=200)
 async def completions(request: Request, gateway: NamedDependency[Gateway]) -> ASGIApp:
-    return await _turn(request, gateway, CompletionRequest, gateway.intake.completion)
+    return await _turn(request, gateway, CompletionRequest, Intake.completion)
 
 
 @get("/v1/models")
-async def models(request: Request, api_keys: NamedDependency[ApiKeys],
-                 intake: NamedDependency[Intake]) -> dict[str, Any]:
-    api_keys.tenant_for(request.headers.get("authorization"))
+async def models(request: Request, gateway: NamedDependency[Gateway]) -> dict[str, Any]:
+    gateway.api_keys.tenant_for(request.headers.get("authorization"))
     return {"object": "list", "data": [
-        {"id": name, "object": "model", "owned_by": "pd-gateway"} for name in intake.served_models]}
+        {"id": name, "object": "model", "owned_by": "pd-gateway"} for name in gateway.served]}
 
 
 @get("/health")
@@ -66,14 +65,16 @@ ROUTES = [chat_completions, completions, models, health, ready, metrics, openapi
 
 
 async def _turn(request: Request, gateway: Gateway, schema: type, intake: Callable[..., TurnRequest]) -> ASGIApp:
-    """Authenticate, validate, name the conversation, run: the same for chat and completions."""
+    """Authenticate, validate, find the model, name the conversation, run: the same for chat and completions."""
     arrived = time.perf_counter()
     tenant = gateway.api_keys.tenant_for(request.headers.get("authorization"))
     body, parsed = parse(await request.body(), schema)
     check_stop(body)
+    route = gateway.route(parsed.model)
+    tenant = route.scoped(tenant)
     session = _session(request, body, gateway.settings, tenant)
-    turn, reply = await run_turn(gateway, TurnCall(tenant, session, lambda: intake(body, parsed, request_id(request)),
-                                                   arrived))
+    turn, reply = await run_turn(gateway, TurnCall(
+        route, tenant, session, lambda: intake(route.intake, body, parsed, request_id(request)), arrived))
     return respond(reply, turn.clock)
 
 

@@ -18,8 +18,9 @@ from litestar.types import ASGIApp, Receive, Scope, Send
 from gateway.api.auth import ApiKeys
 from gateway.api.events import EventStream
 from gateway.config import Settings
+from gateway.errors import ModelNotFoundError
 from gateway.telemetry import Metrics
-from gateway.turns.admin_actions import ConversationKey
+from gateway.turns.admin_actions import ConversationAdmin, ConversationKey, EngineAdmin
 from gateway.turns.intake.clock import TurnClock
 from gateway.turns.intake.continued import Continuation
 from gateway.turns.intake.intake import Intake
@@ -32,24 +33,57 @@ DROPPED_TOOLS = "X-PD-Dropped-Tools"
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_.:-]{1,96}")
 
 
+@dataclass(frozen=True)
+class ModelRoute:
+    """One served model as a turn needs it: its intake (tokenizer, template, context length), its runner (engines,
+    transfer protocol, pins), the Responses API's continuation, and the scope its conversations are kept in."""
+    intake: Intake
+    runner: TurnRunner
+    continuation: Continuation
+    conversations: ConversationAdmin    # what the admin API does to its conversations and engines
+    fleet: EngineAdmin
+    scope: str | None = None            # None: the tenant's own (one model served)
+    aliases: tuple[str, ...] = ()
+
+    def scoped(self, tenant: str) -> str:
+        """The tenant as this model's conversations, pins and stored responses are kept under."""
+        return tenant if self.scope is None else f"{tenant}.{self.scope}"
+
+
 class Gateway:
     """What a turn's handler needs, given as one dependency: a turn is the hot path, and Litestar resolves one
     dependency per request faster than five."""
 
-    __slots__ = ("api_keys", "intake", "metrics", "runner", "settings", "responses", "continuation")
+    __slots__ = ("api_keys", "metrics", "settings", "responses", "routes", "_by_name")
 
-    def __init__(self, api_keys: ApiKeys, intake: Intake, metrics: Metrics, runner: TurnRunner,
-                 settings: Settings, responses: StoredResponses | None = None,
-                 continuation: Continuation | None = None) -> None:
-        self.api_keys, self.intake, self.metrics, self.runner, self.settings = \
-            api_keys, intake, metrics, runner, settings
-        self.responses, self.continuation = responses, continuation      # the Responses API (responses_routes.py)
+    def __init__(self, api_keys: ApiKeys, metrics: Metrics, settings: Settings, routes: list[ModelRoute],
+                 responses: StoredResponses | None = None) -> None:
+        self.api_keys, self.metrics, self.settings, self.routes = api_keys, metrics, settings, routes
+        self.responses = responses          # the Responses API's stored responses (responses_routes.py)
+        self._by_name = {name: r for r in routes for name in (*r.intake.served_models, *r.aliases)}
+
+    def route(self, model: str | None) -> ModelRoute:
+        """The model a request names (or an alias of it); none named: the first served. One model served: its
+        intake decides (an unknown name is its 404)."""
+        if model is None or len(self.routes) == 1:
+            return self.routes[0]
+        found = self._by_name.get(model)
+        if found is None:
+            raise ModelNotFoundError(f"The model `{model}` does not exist.", param="model")
+        return found
+
+    @property
+    def served(self) -> list[str]:
+        """Every name a request may give, as /v1/models lists them."""
+        return [name for r in self.routes for name in (*r.intake.served_models, *r.aliases)]
 
 
 @dataclass
 class TurnCall:
-    """A turn as an API hands it over: whose, which conversation (None: found by its tokens or stateless), and how
-    its request is rendered (`render` runs while the conversation's store claim is in flight)."""
+    """A turn as an API hands it over: its model's route, whose (the tenant in the model's scope), which
+    conversation (None: found by its tokens or stateless), and how its request is rendered (`render` runs while
+    the conversation's store claim is in flight)."""
+    route: ModelRoute
     tenant: str
     session: ConversationKey | None
     render: Callable[[], TurnRequest]
@@ -59,11 +93,12 @@ class TurnCall:
 
 async def run_turn(gateway: Gateway, call: TurnCall) -> tuple[TurnRequest, TurnReply]:
     """Claim ahead, render, run. A turn refused meanwhile puts the claim back (turns/state/ahead.py)."""
-    async with gateway.runner.claim_ahead(call.session) as ahead:
+    runner = call.route.runner
+    async with runner.claim_ahead(call.session) as ahead:
         turn = call.render()
         turn.clock = TurnClock(gateway.metrics.gateway_seconds, call.arrived)
         gateway.metrics.turn_seconds.labels("intake").observe(time.perf_counter() - call.arrived - call.store_s)
-        reply = await gateway.runner.run(turn, call.session, call.tenant, ahead)
+        reply = await runner.run(turn, call.session, call.tenant, ahead)
     if call.session is not None and gateway.settings.pd_headers:
         # the conversation's id as the store and the admin API know it (a session id scoped by its head)
         reply.headers["X-PD-Session"] = call.session.session

@@ -38,7 +38,7 @@ class HealthChecker:
         self._answered_at: dict[str, float] = {}
         # Called (synchronously) when an engine comes back healthy: what was proven about it may have changed
         self.on_readmit: list[Callable[[Engine], None]] = []
-        metrics.engine_data_plane.source = self._readings
+        metrics.engine_data_plane.source.add(self._readings)
 
     async def check_all(self) -> None:
         engines = [e for pool in self._pools for e in pool.engines.values()]

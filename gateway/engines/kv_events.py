@@ -133,7 +133,7 @@ class KVEventFeeds:
                     log.info("KV events of %s: subscribing to %s", engine.url, endpoint)   # the log shows it
         self._tasks: list[asyncio.Task] = []
         if metrics is not None:
-            metrics.kv_events.source = self.rows
+            metrics.kv_events.source.add(self.rows)
 
     def rows(self) -> list[tuple[str, str, int, str, int]]:
         """Each subscribed engine's state, for `pdgw_kv_events_*`."""

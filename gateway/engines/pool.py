@@ -9,8 +9,8 @@ from gateway.engines.engine import Engine, Role
 
 
 class EnginePool:
-    def __init__(self, role: Role, urls: list[str], names: dict[str, str] | None = None) -> None:
-        self.role = role
+    def __init__(self, role: Role, urls: list[str], names: dict[str, str] | None = None, prefix: str = "") -> None:
+        self.role, self.prefix = role, prefix       # prefix: the model's, where several are served
         self.engines: dict[str, Engine] = {}
         self._picker = routing.Picker(role)
         self.names, self._added = dict(names or {}), 0      # URL → configured name (a reload may add some)
@@ -22,7 +22,8 @@ class EnginePool:
         given twice), so labels carry no host or port and stay the same for the engine's life."""
         url = url.rstrip("/")
         if url not in self.engines:
-            self.engines[url] = Engine(url, self.role, self.names.get(url) or f"{self.role}-{self._added}")
+            name = self.names.get(url) or f"{self.prefix}{self.role}-{self._added}"
+            self.engines[url] = Engine(url, self.role, name)
             self._added += 1
         return self.engines[url]
 

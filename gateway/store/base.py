@@ -28,7 +28,8 @@ DEFAULT_MAX_HOLDERS = 8  # holders one prefix lookup returns at most
 
 MAX_RESPONSE_ID_CHARS = 128
 
-_TENANT_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# 64 an API key's tenant may have, and a model's scope (config.model_scope) where several models are served
+_TENANT_RE = re.compile(r"[A-Za-z0-9_.-]{1,80}")
 _RESPONSE_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,%d}" % MAX_RESPONSE_ID_CHARS)
 
 
@@ -37,7 +38,7 @@ class StoreUnavailableError(Exception):
 
 
 class ConversationKey(NamedTuple):
-    tenant: str  # 1..64 chars of [A-Za-z0-9_.-]
+    tenant: str  # 1..80 chars of [A-Za-z0-9_.-]
     session: str  # any string up to 256 chars
 
 
@@ -50,7 +51,7 @@ def check_key(key: ConversationKey) -> None:
 
 def check_tenant(tenant: object) -> None:
     if not isinstance(tenant, str) or not _TENANT_RE.fullmatch(tenant):
-        raise ValueError(f"tenant must be 1..64 chars of [A-Za-z0-9_.-], got {tenant!r}")
+        raise ValueError(f"tenant must be 1..80 chars of [A-Za-z0-9_.-], got {tenant!r}")
 
 
 def session_digest(session: str) -> str:

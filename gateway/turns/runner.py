@@ -44,11 +44,13 @@ from gateway.turns.state.state import ConversationState
 class TurnRunner:
     def __init__(self, *, client: EngineClient, prefill: EnginePool, decode: EnginePool,
                  state: ConversationState, calls: EngineCalls, releaser: HandleReleaser, metrics: Metrics,
-                 settings: Settings, tracing: Tracing = NO_TRACING, transfer_mode: Mode = "pull") -> None:
+                 settings: Settings, tracing: Tracing = NO_TRACING, transfer_mode: Mode = "pull",
+                 admission: Admission | None = None) -> None:
         self.client, self.prefill_pool, self.decode_pool = client, prefill, decode
         self.state, self.calls, self.releaser = state, calls, releaser
         self.metrics, self.settings, self.tracing = metrics, settings, tracing
-        self.admission = Admission(settings.max_concurrent_turns, settings.max_queued_prompt_tokens)
+        # the gateway's bounds: shared by every model's runner (assembly.py), else this runner's own
+        self.admission = admission or Admission(settings.max_concurrent_turns, settings.max_queued_prompt_tokens)
         self.rates = Rates()         # what the P legs taught of the engines' speeds, for the cost plan
         self.outcome = TurnOutcome(state, releaser, metrics)
         self.prefill_leg = PrefillLeg(client, calls, self.rates, self.outcome, settings)

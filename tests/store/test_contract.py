@@ -155,7 +155,7 @@ async def test_odd_session_ids(store: ConversationStore, session: str) -> None:
 
 
 @pytest.mark.parametrize("key", [
-    ConversationKey("", "s"), ConversationKey("a:b", "s"), ConversationKey("x" * 65, "s"),
+    ConversationKey("", "s"), ConversationKey("a:b", "s"), ConversationKey("x" * 81, "s"),
     ConversationKey("ok", "x" * 257), ConversationKey("tenant{1}", "s"),
 ])
 async def test_invalid_keys_are_refused(store: ConversationStore, key: ConversationKey) -> None:

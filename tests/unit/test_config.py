@@ -132,3 +132,58 @@ def test_kv_events_name_an_engine_and_an_endpoint(entry, ok):
     else:
         with pytest.raises(ConfigError, match="kv_events"):
             config.build(flags, environ={})
+
+
+# -- several models (issue 39) -------------------------------------------------------------------------------
+MODELS = """
+decoder_kv_blocks_ttl_s: 300
+local_prefill_max_tokens: 512
+models:
+  - name: org/big
+    aliases: [big]
+    prefill: [http://p0:1]
+    decode: [http://d0:1]
+  - name: small
+    prefill: [http://p1:1]
+    decode: [http://d1:1]
+    tokenizer: builtin:demo-reasoning
+    local_prefill_max_tokens: 0
+    kv_events: ["http://d1:1=tcp://d1:5557"]
+"""
+
+
+def test_each_model_gets_the_top_level_where_it_leaves_a_setting_out(tmp_path):
+    path = tmp_path / "models.yaml"
+    path.write_text(MODELS)
+    big, small = config.build({}, str(path), {}).deployment()
+    assert (big.settings.model, big.settings.prefill, big.aliases) == ("org/big", ["http://p0:1"], ("big",))
+    assert (small.settings.tokenizer, small.settings.local_prefill_max_tokens) == ("builtin:demo-reasoning", 0)
+    assert (big.settings.local_prefill_max_tokens, big.settings.decoder_kv_blocks_ttl_s) == (512, 300)
+    assert small.settings.decoder_kv_blocks_ttl_s == 300 and small.settings.kv_events
+    assert big.scope != small.scope and big.scope == config.model_scope("org/big")      # a model's, for good
+    assert config.build({"prefill": ["http://p:1"], "decode": ["http://d:1"]}, None, {}).deployment()[0].scope is None
+
+
+@pytest.mark.parametrize(("extra", "words"), [
+    ("prefill: [http://p9:1]\n", "leave prefill"),
+    ("", "given twice"),
+])
+def test_a_models_file_that_cannot_serve_is_refused(tmp_path, extra, words):
+    text = extra + MODELS + ("  - name: big\n    prefill: [http://p2:1]\n    decode: [http://d2:1]\n" if not extra
+                             else "")
+    path = tmp_path / "models.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=words):
+        config.build({}, str(path), {})
+
+
+def test_a_model_s_kv_events_name_its_own_engines(tmp_path):
+    path = tmp_path / "models.yaml"
+    path.write_text(MODELS.replace("http://d1:1=tcp", "http://d0:1=tcp"))
+    with pytest.raises(ConfigError, match="kv_events"):
+        config.build({}, str(path), {})
+
+
+def test_models_come_from_a_file_only():
+    with pytest.raises(ConfigError, match="settings file"):
+        config.build({}, None, {"PDGW_MODELS": "x"})

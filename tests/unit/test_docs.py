@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from gateway.config import ENV_PREFIX, Settings
+from gateway.config import ENV_PREFIX, FILE_ONLY, Settings
 from gateway.telemetry import Metrics
 from gateway.turns.reuse.plan import Reason
 
@@ -32,10 +32,13 @@ def table_rows(text: str) -> list[list[str]]:
 
 def test_configuration_table_lists_every_setting_once():
     rows = table_rows(section(README, "Configuration"))
-    flags = [re.match(r"`--([a-z-]+)", row[0]).group(1).replace("-", "_") for row in rows]
+    flags = [re.match(r"`(?:--)?([a-z_-]+)", row[0]).group(1).replace("-", "_") for row in rows]
     assert sorted(flags) == sorted(FIELDS)
     for flag, row in zip(flags, rows, strict=True):
-        assert row[1] == f"`{ENV_PREFIX}{flag.upper()}`"
+        if flag in FILE_ONLY:        # no flag, no variable: the row says so
+            assert row[0].startswith(f"`{flag}`") and row[1] == "(settings file only)"
+        else:
+            assert row[0].startswith(f"`--{flag.replace('_', '-')}") and row[1] == f"`{ENV_PREFIX}{flag.upper()}`"
 
 
 def exported_metrics() -> set[str]:

@@ -21,17 +21,19 @@ _encode = msgspec.json.Encoder().encode
 
 class Intake:
     def __init__(self, renderer: Renderer, served_models: list[str], max_messages: int = 4096,
-                 history_tokens: str = "generated", max_model_len: int | None = None) -> None:
+                 history_tokens: str = "generated", max_model_len: int | None = None,
+                 aliases: tuple[str, ...] = ()) -> None:
         self.renderer = renderer
         self.context = ContextLimit(max_model_len, longest_token_chars(renderer.tokenizer) if max_model_len else 0)
         self.served_models = served_models
+        self.aliases = aliases              # other names requests may give the model (a deployment file's)
         self.max_messages = max_messages
         self.generated_history = history_tokens == "generated"
 
     def model_for(self, requested: str | None) -> str:
         if not self.served_models:
             return requested or ""
-        if requested is None:
+        if requested is None or requested in self.aliases:
             return self.served_models[0]
         if requested not in self.served_models:
             raise ModelNotFoundError(f"The model `{requested}` does not exist.", param="model")

@@ -1,0 +1,131 @@
+"""One model's part of a gateway, assembled (issue 39): its P and D pools, their health checks and KV-event feeds,
+its tokenizer and chat template, the start-up report, the turn machinery (runner, pin budget, calibration), and
+its engine registry. app.py builds one per model of the deployment, sharing the HTTP session, the store and the
+metrics; the API routes a request to one by its `model` (api/turn_entry.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from gateway.api.turn_entry import ModelRoute
+from gateway.config import ModelSetup, Settings, engine_names
+from gateway.engines.client import EngineClient
+from gateway.engines.health import HealthChecker
+from gateway.engines.kv_events import KVEventFeeds, parse_mapping
+from gateway.engines.pool import EnginePool
+from gateway.engines.registry import EngineRegistry
+from gateway.engines.transfer import Mode, PushIdentities, TransferModeError
+from gateway.startup import PinnedIdsProof, log_report
+from gateway.startup import gather as startup_report
+from gateway.store import ConversationStore
+from gateway.telemetry import Metrics
+from gateway.tracing import Tracing
+from gateway.turns.admin_actions import ConversationAdmin, EngineAdmin
+from gateway.turns.intake.continued import Continuation
+from gateway.turns.intake.intake import Intake
+from gateway.turns.intake.render import Renderer
+from gateway.turns.legs.calibration import PROBE_TEXT, RateProbe
+from gateway.turns.legs.calls import EngineCalls
+from gateway.turns.legs.release import HandleReleaser
+from gateway.turns.run.admission import Admission
+from gateway.turns.runner import TurnRunner
+from gateway.turns.state.budget import PinBudget
+from gateway.turns.state.earning import PinEarnings
+from gateway.turns.state.pins import PinLedger
+from gateway.turns.state.replicas import ReplicaShare
+from gateway.turns.state.state import ConversationState
+
+log = logging.getLogger("gateway")
+PROBE_STARTUP_WAIT_S = 20.0
+
+
+@dataclass
+class ModelStack:
+    setup: ModelSetup
+    prefill: EnginePool
+    decode: EnginePool
+    health: HealthChecker
+    feeds: KVEventFeeds
+    runner: TurnRunner
+    route: ModelRoute
+    registry: EngineRegistry
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await self.feeds.stop()
+        await self.runner.drain()
+
+
+async def build(setup: ModelSetup, client: EngineClient, store: ConversationStore, metrics: Metrics,
+                tracing: Tracing, admission: Admission, label: str = "") -> ModelStack:
+    """Start one model's part: engines checked, the report logged, the runner ready. `label` prefixes its engines'
+    default names in metrics where several models are served (their pools would otherwise both say prefill-0)."""
+    settings = setup.settings
+    names = engine_names(settings)
+    prefill = EnginePool("prefill", settings.prefill, names, label)
+    decode = EnginePool("decode", settings.decode, names, label)
+    health = HealthChecker(client, [prefill, decode], metrics, settings.health_interval_s)
+    feeds = KVEventFeeds(parse_mapping(settings.kv_events), [prefill, decode], metrics)
+    feeds.start()                        # before the first turn: a publisher's seq 0 then says "complete"
+    await health.check_all()
+    renderer = Renderer(settings.tokenizer, settings.chat_template)
+    report = await startup_report(client, prefill, decode, renderer, store, settings)
+    log_report(report)
+    if report.transfer.refusal:          # a mixed pool cannot pair: say so once and do not start
+        log.error("pd-gateway refuses to start: %s", report.transfer.refusal)
+        raise TransferModeError(report.transfer.refusal)
+    health.on_readmit.append(PinnedIdsProof(client, renderer, settings.model).engine_back)
+    models, block_size = report.models, report.block_size
+    if report.transfer.push:             # a P back may be a restarted one with a new identity
+        health.on_readmit.append(PushIdentities(client, decode, settings.model, block_size).engine_back)
+    intake = Intake(renderer, models, settings.max_messages, settings.history_tokens, report.max_model_len,
+                    aliases=setup.aliases)
+    served = models[0] if models else ""
+    runner = _runner(client, prefill, decode, store, metrics, settings, block_size, served, tracing, renderer,
+                     report.transfer.mode, admission)
+    registry = EngineRegistry(prefill, decode, health, metrics)
+    route = ModelRoute(intake, runner, Continuation(intake), ConversationAdmin(store, runner.releaser,
+                       runner.state.pins), EngineAdmin(prefill, decode, registry, runner.state.pins),
+                       scope=setup.scope, aliases=setup.aliases)
+    stack = ModelStack(setup, prefill, decode, health, feeds, runner, route, registry)
+    stack.tasks.append(asyncio.create_task(health.run()))
+    if (ledger := runner.state.pins.pins) is not None:
+        stack.tasks.append(asyncio.create_task(ReplicaShare(store, ledger.budget).run()))
+    if (probing := await _calibrated(runner, prefill, decode, renderer, health, metrics, settings, served)):
+        stack.tasks.append(probing)
+    return stack
+
+
+def _runner(client: EngineClient, prefill: EnginePool, decode: EnginePool, store: ConversationStore,
+            metrics: Metrics, settings: Settings, block_size: int, model: str, tracing: Tracing,
+            renderer: Renderer, transfer_mode: Mode = "pull", admission: Admission | None = None) -> TurnRunner:
+    """The turn machinery: engine calls, the handle releaser and the conversation state, shared by every turn."""
+    calls = EngineCalls(metrics)
+    releaser = HandleReleaser(client, prefill, calls, metrics, model)
+    earnings = PinEarnings(settings.decode_pin_budget, settings.handle_ttl_s, settings.decode_pin_policy == "adaptive")
+    pins = PinLedger(PinBudget(settings.decode_pin_budget, block_size), earnings) if block_size else None
+    state = ConversationState(store=store, decode=decode, releaser=releaser, metrics=metrics, settings=settings,
+                              block_size=block_size, renderer=renderer, pins=pins)
+    return TurnRunner(client=client, prefill=prefill, decode=decode, state=state, calls=calls, releaser=releaser,
+                      metrics=metrics, settings=settings, tracing=tracing, transfer_mode=transfer_mode,
+                      admission=admission)
+
+
+async def _calibrated(runner: TurnRunner, prefill: EnginePool, decode: EnginePool, renderer: Renderer,
+                      health: HealthChecker, metrics: Metrics, settings: Settings, model: str) -> asyncio.Task | None:
+    """Under the cost plan, the rates it weighs: probed per P-D pair before serving (at most a few seconds'
+    wait), then kept fresh in the background. None when there is nothing to calibrate."""
+    metrics.learned_rates.source.add(runner.rates.known)
+    if settings.reuse_policy != "cost" or not settings.rate_probe_tokens or not runner.transfer.reads_d_kv:
+        return None              # push mode has no read of D's KV to calibrate (docs/protocol.md §8)
+    probe = RateProbe(client=runner.client, calls=runner.calls, prefill=prefill, decode=decode, rates=runner.rates,
+                      releaser=runner.releaser, vocabulary=renderer.encode(PROBE_TEXT), model=model,
+                      settings=settings)
+    health.on_readmit.append(probe.engine_back)
+    task = asyncio.create_task(probe.run())
+    await probe.wait_first_pass(PROBE_STARTUP_WAIT_S)
+    return task
