@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import loadgen  # noqa: E402
 from bench.loadgen import CpuMeter, FloorTarget, OpenAITarget, RunResult, percentile  # noqa: E402
-from bench.servers import ProxyCpus, Servers, get_json, metrics, post  # noqa: E402
+from bench.servers import ProxyCpus, Servers, get_json, metrics, post, sample_sum  # noqa: E402
 from bench.streaming import STREAM_SIM, stream_cost  # noqa: E402
 from bench.streaming import table as stream_table  # noqa: E402
 from bench.workload import Workload  # noqa: E402
@@ -291,10 +291,9 @@ def _phase_means(gw_metrics: dict) -> str:
     for histogram, label, names in (("pdgw_turn_seconds", "phase", ("intake", "plan", "prefill", "decode_ttft")),
                                     ("pdgw_store_seconds", "op", ("begin_turn", "finish_turn"))):
         for name in names:
-            key = f'{{{label}="{name}"}}'
-            count = gw_metrics.get(f"{histogram}_count{key}", 0.0)
+            count = sample_sum(gw_metrics, f"{histogram}_count", **{label: name})
             if count:
-                out.append(f"{name} {gw_metrics[f'{histogram}_sum{key}'] / count * 1e3:.2f}")
+                out.append(f"{name} {sample_sum(gw_metrics, f'{histogram}_sum', **{label: name}) / count * 1e3:.2f}")
     return ", ".join(out)
 
 
@@ -400,8 +399,8 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def _plans(gw_metrics: dict) -> str:
-    counts = {k.split("{")[1].rstrip("}"): int(v) for k, v in gw_metrics.items()
-              if k.startswith("pdgw_turns_total{") and v}
+    counts = {k.split("{")[1].rstrip("}").split(",", 1)[1]: int(v) for k, v in gw_metrics.items()
+              if k.startswith("pdgw_turns_total{") and v}           # the model label first, left out
     return ", ".join(f"{k.replace('plan=', '').replace('reason=', '').replace(chr(34), '')}: {v}"
                      for k, v in sorted(counts.items()))
 
@@ -508,7 +507,8 @@ def report(args, sizes: Sizes, zero: dict, stream: dict, history: dict, gpu: dic
     naive_throughput_ratio = naive_sat["cpu_ms_per_turn"] / gw_sat["cpu_ms_per_turn"] \
         if gw_sat.get("cpu_ms_per_turn") and naive_sat.get("cpu_ms_per_turn") else float("nan")
     measured_ratio = gw_sat["turns_per_s"] / naive_sat["turns_per_s"] if naive_sat["turns_per_s"] else float("nan")
-    tokens = {src: zero["gateway_metrics"].get(f'pdgw_prompt_tokens_total{{source="{src}"}}', 0.0)
+    tokens = {src: sum(v for k, v in zero["gateway_metrics"].items()
+                       if k.startswith("pdgw_prompt_tokens_total{") and f'source="{src}"' in k)
               for src in ("reused", "computed")}
     lines += ["", f"pd-gateway reuse in this phase (from its /metrics): {_plans(zero['gateway_metrics'])}; prompt "
               f"tokens reused {tokens['reused']:.0f}, computed {tokens['computed']:.0f}.", "",

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import loadgen, servers as bench_servers  # noqa: E402
 from bench.loadgen import OpenAITarget, RunResult, percentile  # noqa: E402
-from bench.servers import Servers, get_json, metrics, post  # noqa: E402
+from bench.servers import Servers, get_json, metrics, post, sample_sum  # noqa: E402
 from bench.workload import Workload  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -292,9 +292,10 @@ def _phase_means(before: dict, after: dict) -> str:
     """pd-gateway's own phase means in ms (its pdgw_turn_seconds): where its turns' time went."""
     out = []
     for phase in ("intake", "plan", "prefill", "decode_ttft"):
-        key = f'{{phase="{phase}"}}'
-        count = after.get(f"pdgw_turn_seconds_count{key}", 0.0) - before.get(f"pdgw_turn_seconds_count{key}", 0.0)
-        total = after.get(f"pdgw_turn_seconds_sum{key}", 0.0) - before.get(f"pdgw_turn_seconds_sum{key}", 0.0)
+        count = sample_sum(after, "pdgw_turn_seconds_count", phase=phase) - \
+            sample_sum(before, "pdgw_turn_seconds_count", phase=phase)
+        total = sample_sum(after, "pdgw_turn_seconds_sum", phase=phase) - \
+            sample_sum(before, "pdgw_turn_seconds_sum", phase=phase)
         if count:
             out.append(f"{phase} {total / count * 1e3:.1f}")
     return ", ".join(out)

@@ -187,6 +187,12 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
+def sample_sum(samples: dict[str, float], name: str, **labels: str) -> float:
+    """The samples of `name` whose labels include `labels`, summed (a turn's families also carry its `model`)."""
+    return sum(value for key, value in samples.items() if key.partition("{")[0] == name
+               and all(f'{k}="{v}"' in key.partition("{")[2] for k, v in labels.items()))
+
+
 @contextlib.contextmanager
 def servers() -> Iterator[Servers]:
     with Servers() as stack:

@@ -85,6 +85,7 @@ async def build(setup: ModelSetup, client: EngineClient, store: ConversationStor
     intake = Intake(renderer, models, settings.max_messages, settings.history_tokens, report.max_model_len,
                     aliases=setup.aliases)
     served = models[0] if models else ""
+    metrics = metrics.for_model(served)       # its turns' families labelled with its name
     runner = _runner(client, prefill, decode, store, metrics, settings, block_size, served, tracing, renderer,
                      report.transfer.mode, admission)
     registry = EngineRegistry(prefill, decode, health, metrics)

@@ -3,6 +3,7 @@ build several apps in one process."""
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -67,6 +68,25 @@ class Histogram(_CachedLabels, _Histogram):
     pass
 
 
+# The families a turn records, labelled by its model first (issue 39: several models behind one gateway).
+MODEL_LABELLED = ("turns", "prompt_tokens", "turn_seconds", "local_bound_tokens", "conversation_lookups",
+                  "handles_released", "handles_missing")
+
+
+class ForModel:
+    """A family whose first label, `model`, is given: `labels(...)` takes the others, as before it had one."""
+
+    __slots__ = ("_family", "_model")
+
+    def __init__(self, family: Any, model: str) -> None:
+        self._family, self._model = family, model
+
+    def labels(self, *values: object, **by_name: object) -> Any:
+        if by_name:
+            return self._family.labels(model=self._model, **by_name)
+        return self._family.labels(self._model, *values)
+
+
 class Metrics:
     def __init__(self) -> None:
         # Engines are labelled by name, never by URL: /metrics must not show hosts and ports (issue 38). The
@@ -74,12 +94,12 @@ class Metrics:
         self.engine_names: dict[str, str] = {}
         self.registry = CollectorRegistry()
         r = self.registry
-        self.turns = Counter("pdgw_turns", "Turns by plan and reason", ["plan", "reason"], registry=r)
+        self.turns = Counter("pdgw_turns", "Turns by plan and reason", ["model", "plan", "reason"], registry=r)
         self.prompt_tokens = Counter(
             "pdgw_prompt_tokens", "Prompt tokens read from D's KV (reused) vs prefilled on P (computed)",
-            ["source"], registry=r)
+            ["model", "source"], registry=r)
         self.turn_seconds = Histogram(
-            "pdgw_turn_seconds", "Turn latency by phase", ["phase"], buckets=LATENCY_BUCKETS, registry=r)
+            "pdgw_turn_seconds", "Turn latency by phase", ["model", "phase"], buckets=LATENCY_BUCKETS, registry=r)
         self.gateway_seconds = Histogram(
             "pdgw_gateway_seconds", "The gateway's own time per turn, engine waits excluded, by span (turns/intake/clock.py)",
             ["span"], buckets=GATEWAY_BUCKETS, registry=r)
@@ -92,18 +112,19 @@ class Metrics:
                                     ["pool", "engine"], registry=r)
         self.local_bound_tokens = Histogram(
             "pdgw_local_bound_tokens", "Tokens a warm turn's D may compute itself given its headroom (the local bound)",
-            ["plan"], buckets=(0, 256, 512, 1024, 2048, 4096, 8192, 16384), registry=r)
+            ["model", "plan"], buckets=(0, 256, 512, 1024, 2048, 4096, 8192, 16384), registry=r)
         self.store_seconds = Histogram(
             "pdgw_store_seconds", "Conversation store latency by operation", ["op"],
             buckets=LATENCY_BUCKETS, registry=r)
         self.store_errors = Counter("pdgw_store_errors", "Store operations that failed", ["op"], registry=r)
         self.conversation_lookups = Counter(
             "pdgw_conversation_lookups", "How turns found their conversation: session id, token prefix or new",
-            ["how"], registry=r)
+            ["model", "how"], registry=r)
         self.handles_released = Counter(
-            "pdgw_handles_released", "D handles released unused, by why", ["reason"], registry=r)
+            "pdgw_handles_released", "D handles released unused, by why", ["model", "reason"], registry=r)
         self.handles_missing = Counter(
-            "pdgw_handles_missing", "Finished turns whose D returned no handle, by why", ["reason"], registry=r)
+            "pdgw_handles_missing", "Finished turns whose D returned no handle, by why", ["model", "reason"],
+            registry=r)
 
         self.pinned_tokens = Gauge(
             "pdgw_pinned_tokens", "Tokens of KV this gateway's stored handles pin on each D", ["engine"],
@@ -130,6 +151,20 @@ class Metrics:
         r.register(self.engine_data_plane)
         self.kv_events = KVEventsState()
         r.register(self.kv_events)
+        # The turn's families carry the served model first; this object gives it as "" (tests, one model unnamed),
+        # `for_model` as a model's name (assembly.py: each model's turn machinery gets its own view).
+        self._per_model = {name: getattr(self, name) for name in MODEL_LABELLED}
+        self._label_model("")
+
+    def for_model(self, model: str) -> Metrics:
+        """These metrics as one model's turns record them: the same registry and families, its name given."""
+        view = copy.copy(self)
+        view._label_model(model)
+        return view
+
+    def _label_model(self, model: str) -> None:
+        for name, family in self._per_model.items():
+            setattr(self, name, ForModel(family, model))
 
     def engine_label(self, url: str) -> str:
         return self.engine_names.get(url, "unnamed") if url else url

@@ -97,7 +97,7 @@ async def run_turn(gateway: Gateway, call: TurnCall) -> tuple[TurnRequest, TurnR
     async with runner.claim_ahead(call.session) as ahead:
         turn = call.render()
         turn.clock = TurnClock(gateway.metrics.gateway_seconds, call.arrived)
-        gateway.metrics.turn_seconds.labels("intake").observe(time.perf_counter() - call.arrived - call.store_s)
+        runner.metrics.turn_seconds.labels("intake").observe(time.perf_counter() - call.arrived - call.store_s)
         reply = await runner.run(turn, call.session, call.tenant, ahead)
     if call.session is not None and gateway.settings.pd_headers:
         # the conversation's id as the store and the admin API know it (a session id scoped by its head)

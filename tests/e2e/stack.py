@@ -51,18 +51,25 @@ class Stack:
             time.sleep(0.05)
 
     def metric(self, name: str, **labels: str) -> float:
-        """One sample of the gateway's /metrics (0 when absent); with an admin key configured, sent with it."""
+        """The gateway's /metrics samples of `name` whose labels include `labels`, summed (0 when absent: a turn's
+        families also carry its `model`); with an admin key configured, sent with it."""
         args = self.gateway.args
         key = args[args.index("--admin-key") + 1] if "--admin-key" in args else None
         request = urllib.request.Request(self.gateway.url + "/metrics",
                                          headers={"Authorization": f"Bearer {key}"} if key else {})
         text = urllib.request.urlopen(request, timeout=5).read().decode()
-        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-        for line in text.splitlines():
-            name_part, _, value = line.rpartition(" ")
-            if name_part == (f"{name}{{{want}}}" if want else name):
-                return float(value)
-        return 0.0
+        return labelled_sum(text, name, labels)
+
+
+def labelled_sum(text: str, name: str, labels: dict[str, str]) -> float:
+    """Of a /metrics page, the samples of `name` whose labels include `labels`, summed."""
+    total = 0.0
+    for line in text.splitlines():
+        key, _, value = line.rpartition(" ")
+        base, _, rest = key.partition("{")
+        if base == name and all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            total += float(value)
+    return total
 
 
 KV_EVENTS = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*", "topic": "kv"}'

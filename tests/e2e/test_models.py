@@ -15,7 +15,7 @@ import urllib.request
 import openai
 import pytest
 
-from tests.e2e.stack import get_json
+from tests.e2e.stack import get_json, labelled_sum
 from tests.servers import start
 
 ADMIN = "models-admin"
@@ -82,6 +82,7 @@ def test_conversations_on_both_models_at_once_reuse_their_own_d(two):
     assert sum(s["kv_reads_corrupt"] for s in stats.values()) == 0
     for name in MODELS:         # each model's turns went to its own engines only: 3 conversations x 3 turns
         assert stats[f"d-{name}"]["requests_total"] >= 9
+        assert gateway_metric(gateway, "pdgw_turns_total", model=name) >= 9        # counted under its name
 
 
 def test_a_session_id_used_with_two_models_is_two_conversations(two):
@@ -93,6 +94,12 @@ def test_a_session_id_used_with_two_models_is_two_conversations(two):
     assert {model: c["decode_engine"] for model, c in stored.items()} == \
         {model: decode[f"d-{model}"] for model in MODELS}
     assert all(c["turn"] == 2 for c in stored.values())
+
+
+def gateway_metric(gateway, name: str, **labels: str) -> float:
+    request = urllib.request.Request(gateway.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
+    with urllib.request.urlopen(request, timeout=5) as answer:
+        return labelled_sum(answer.read().decode(), name, labels)
 
 
 def admin(gateway, path: str) -> dict:

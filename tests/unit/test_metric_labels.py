@@ -26,7 +26,16 @@ def test_the_cached_child_is_the_librarys():
     assert m.turns.labels(Kind.REUSE, "continuous") is child
     assert m.turns.labels(plan="reuse", reason="continuous") is child
     child.inc()
-    assert m.registry.get_sample_value("pdgw_turns_total", {"plan": "reuse", "reason": "continuous"}) == 1
+    assert m.registry.get_sample_value("pdgw_turns_total", {"model": "", "plan": "reuse", "reason": "continuous"}) == 1
+
+
+def test_each_model_s_turns_are_counted_under_its_name():
+    m = Metrics()
+    m.for_model("a").turns.labels("reuse", "continuous").inc()
+    m.for_model("b").turns.labels("full", "first_turn").inc(2)
+    assert m.registry.get_sample_value("pdgw_turns_total", {"model": "a", "plan": "reuse", "reason": "continuous"}) == 1
+    assert m.registry.get_sample_value("pdgw_turns_total", {"model": "b", "plan": "full", "reason": "first_turn"}) == 2
+    assert m.for_model("a").registry is m.registry and m.for_model("a").engine_names is m.engine_names
 
 
 def test_values_that_are_not_their_own_str_are_not_cached():

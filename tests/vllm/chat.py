@@ -135,14 +135,16 @@ def _streamed(chunks) -> tuple[str, list[int], list[int]]:
 
 
 def gateway_metric(gateway: Server, name: str, **labels: str) -> float:
-    """One sample of the gateway's /metrics (0 when absent); with an admin key configured, sent with it."""
+    """The gateway's /metrics samples of `name` whose labels include `labels`, summed (0 when absent: a turn's
+    families also carry its `model`); with an admin key configured, sent with it."""
     key = gateway.args[gateway.args.index("--admin-key") + 1] if "--admin-key" in gateway.args else None
     request = urllib.request.Request(gateway.url + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {})
     with urllib.request.urlopen(request, timeout=10) as resp:
         text = resp.read().decode()
-    want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
+    total = 0.0
     for line in text.splitlines():
         key, _, value = line.rpartition(" ")
-        if key == want:
-            return float(value)
-    return 0.0
+        base, _, rest = key.partition("{")
+        if base == name and all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            total += float(value)
+    return total
