@@ -3,10 +3,12 @@ concurrent multi-turn conversations, while engines of each role are killed and r
 clients disconnect mid-stream, turns of one session race, an engine turns slow past its deadline, and bad
 input keeps coming. Then the simulators' oracle and the clients' own records are checked.
 
-    python bench/chaos.py [--quick] [--kv-events]
+    python bench/chaos.py [--quick] [--kv-events] [--models 2]
 
 --kv-events: every engine publishes its KV events through a relay that drops, delays and reorders them
 (bench/event_relay.py), and the gateways plan from them (issue 36): still 0 corrupt.
+--models 2: two models behind the gateways (issue 39: a settings file's `models`), `demo` on P0 and D0 and
+`demo-b` on P1 and D1, each conversation with one of them: still 0 corrupt, no conversation crossing over.
 
 Last line: chaos: turns=N corrupt=0 hung=0 leaked_pins=0 bad_input_5xx=0 non_openai_errors=0 reuse_rate=R
 Above it, one line per fallback reason of the later turns that did not reuse (`fallback REASON: N`), most first.
@@ -20,6 +22,7 @@ import json
 import random
 import signal
 import sys
+import tempfile
 import time
 import uuid
 from collections import Counter
@@ -42,8 +45,10 @@ GATEWAY_FLAGS = ["--prefill-timeout-s", "4", "--prefill-handle-timeout-s", "3", 
                  "1.5", "--max-retries", "2", "--decoder-kv-blocks-ttl-s", str(TTL_S), "--handle-ttl-margin-s",
                  "3", "--health-interval-s", "0.5", "--log-level", "warning", "--reuse-policy", "always",
                  "--decode-kv-lease-s", str(D_LEASE_S)]
+MODELS = ("demo", "demo-b")     # --models 2: engine pair 0 serves the first, pair 1 the second
 SIM_FLAGS = ["--output-tokens", "70:110", "--kv-lease-duration", str(TTL_S), "--decoder-kv-blocks-ttl",
              str(TTL_S), "--log-level", "warning"]
+RECENT: list[str] = []         # session ids of recent conversations (--models 2 gives some to another model too)
 HUNG_S = 30.0                  # a turn lasting longer is hung: every deadline above sums to well under it
 WORDS = "cache block token engine stream prefix decode prefill lease handle answer model river orbit".split()
 BAD_INPUTS = [b"{nope", b"[]", b'{"model":"demo"}', b'{"messages":"x"}', b'{"messages":[{"role":1}]}',
@@ -74,20 +79,33 @@ class Tally:
 
 
 class Fleet:
-    def __init__(self, replicas: int, relays: dict[str, EventRelay] | None = None) -> None:
+    def __init__(self, replicas: int, relays: dict[str, EventRelay] | None = None, models: int = 1) -> None:
         self.relays = relays or {}
+        self.models = MODELS[:models]          # engine pair i serves models[i % len(models)]
         self.redis = RedisServer().start()
         self.dead_stats: list[dict] = []
         self.prefill = [self._sim("prefill", f"p{i}") for i in range(2)]
         self.decode = [self._sim("decode", f"d{i}") for i in range(2)]
-        engines = [a for s in self.prefill for a in ("--prefill", s.url)] + \
-                  [a for s in self.decode for a in ("--decode", s.url)]
-        names = [f"p{i}" for i in range(2)] + [f"d{i}" for i in range(2)]
-        for name, server in zip(names, self.sims):
-            if name in self.relays:
-                engines += ["--kv-events", f"{server.url}={self.relays[name].outlet}"]
-        self.gateways = [start(["serve", *engines, "--redis-url", self.redis.url, *GATEWAY_FLAGS])
+        self.gateways = [start(["serve", *self._engines(), "--redis-url", self.redis.url, *GATEWAY_FLAGS])
                          for _ in range(replicas)]
+
+    def _events(self, pair: int) -> list[str]:
+        """The KV-event subscriptions of engine pair `pair` (P, D), where they publish through a relay."""
+        return [f"{server.url}={self.relays[name].outlet}"
+                for name, server in ((f"p{pair}", self.prefill[pair]), (f"d{pair}", self.decode[pair]))
+                if name in self.relays]
+
+    def _engines(self) -> list[str]:
+        """The gateways' engines: as flags for one model; for two, a settings file giving each its own pair."""
+        if len(self.models) == 1:
+            return [*(a for s in self.prefill for a in ("--prefill", s.url)),
+                    *(a for s in self.decode for a in ("--decode", s.url)),
+                    *(a for pair in range(2) for e in self._events(pair) for a in ("--kv-events", e))]
+        path = Path(tempfile.mkdtemp(prefix="chaos-")) / "models.yaml"           # JSON is YAML
+        path.write_text(json.dumps({"models": [
+            {"name": model, "prefill": [self.prefill[i].url], "decode": [self.decode[i].url],
+             "kv_events": self._events(i)} for i, model in enumerate(self.models)]}))
+        return ["--config", str(path)]
 
     def _sim(self, role: str, name: str, port: int = 0) -> Server:
         # A restarted engine gets a new engine id, as vLLM does unless one is configured. Both legs under `fail`
@@ -95,7 +113,8 @@ class Fleet:
         relay = self.relays.get(name)
         events = ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                                                     "endpoint": relay.inlet})] if relay else []
-        return start(["sim", "--role", role, "--engine-id", f"{name}-{uuid.uuid4().hex[:6]}",
+        model = self.models[int(name[1:]) % len(self.models)]
+        return start(["sim", "--role", role, "--engine-id", f"{name}-{uuid.uuid4().hex[:6]}", "--model", model,
                       "--kv-load-failure-policy", "fail", "--stream-kv-params", *SIM_FLAGS, *events,
                       *(["--kv-lease-duration", str(D_LEASE_S)] if role == "decode" else [])], port=port)
 
@@ -133,10 +152,10 @@ def openai_error(payload: object) -> bool:
 
 
 async def turn(http: aiohttp.ClientSession, fleet: Fleet, session: str, messages: list[dict], tally: Tally,
-               *, disconnect: bool = False) -> str | None:
+               *, disconnect: bool = False, model: str = MODELS[0]) -> str | None:
     """One turn through a random replica; returns the answer, or None when the turn did not complete."""
     stream = disconnect or random.random() < 0.5
-    body = {"model": "demo", "messages": messages, "max_tokens": 120, "stream": stream}
+    body = {"model": model, "messages": messages, "max_tokens": 120, "stream": stream}
     url = random.choice(fleet.gateways).url + "/v1/chat/completions"
     began = time.monotonic()
     try:
@@ -214,15 +233,21 @@ async def conversations(http: aiohttp.ClientSession, fleet: Fleet, turns: int, t
 
 
 async def conversation(http: aiohttp.ClientSession, fleet: Fleet, turns: int, tally: Tally) -> None:
-    session, messages = uuid.uuid4().hex, []
+    model = random.choice(fleet.models)
+    # with two models, now and then a session id another model's conversation uses too: two conversations
+    session = random.choice(RECENT) if len(fleet.models) > 1 and RECENT and random.random() < 0.2 else uuid.uuid4().hex
+    RECENT.append(session)
+    del RECENT[:-64]
+    messages: list[dict] = []
     for _ in range(turns):
         messages.append({"role": "user", "content": " ".join(random.choices(WORDS, k=random.randint(8, 40)))})
         if random.random() < 0.05:          # two turns of one session at once
-            answers = await asyncio.gather(turn(http, fleet, session, list(messages), tally),
-                                           turn(http, fleet, session, list(messages), tally))
+            answers = await asyncio.gather(turn(http, fleet, session, list(messages), tally, model=model),
+                                           turn(http, fleet, session, list(messages), tally, model=model))
             answer = next((a for a in answers if a is not None), None)
         else:
-            answer = await turn(http, fleet, session, messages, tally, disconnect=random.random() < 0.05)
+            answer = await turn(http, fleet, session, messages, tally, disconnect=random.random() < 0.05,
+                                model=model)
         if answer is None:
             messages.pop()
             continue
@@ -283,13 +308,14 @@ async def settle(fleet: Fleet, tally: Tally) -> None:
         tally.notes.append(f"{s['engine_id']}: " + " ".join(f"{k}={s[k]}" for k in keys))
 
 
-async def run(clients: int, turns: int, fault_period: float, replicas: int, kv_events: bool = False) -> Tally:
+async def run(clients: int, turns: int, fault_period: float, replicas: int, kv_events: bool = False,
+              models: int = 1) -> Tally:
     ctx = zmq.asyncio.Context()
     relays = {name: EventRelay(ctx, rng=random.Random(i)) for i, name in enumerate(("p0", "p1", "d0", "d1"))} \
         if kv_events else {}
     for relay in relays.values():
         relay.start()
-    fleet = await asyncio.to_thread(Fleet, replicas, relays)
+    fleet = await asyncio.to_thread(Fleet, replicas, relays, models)
     tally, fault_log, stop = Tally(), [], asyncio.Event()
     try:
         timeout = aiohttp.ClientTimeout(total=HUNG_S + 30)
@@ -331,13 +357,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--kv-events", action="store_true",
                         help="engines publish KV events through a relay that drops, delays and reorders them")
+    parser.add_argument("--models", type=int, choices=(1, 2), default=1,
+                        help="2: two models behind the gateways, each on its own P and D")
     parser.add_argument("--pin-budget", help="the gateways' --decode-pin-budget (a small one makes them evict)")
     args = parser.parse_args()
     GATEWAY_FLAGS.extend(["--decode-pin-budget", args.pin_budget] if args.pin_budget else [])
     random.seed(args.seed)
     size = dict(clients=150, turns=4, fault_period=8.0, replicas=3) if args.quick else \
         dict(clients=300, turns=6, fault_period=20.0, replicas=3)
-    t = asyncio.run(run(**size, kv_events=args.kv_events))
+    t = asyncio.run(run(**size, kv_events=args.kv_events, models=args.models))
     reuse_rate = t.reused / t.later_turns if t.later_turns else 0.0
     print(f"later turns: {t.later_turns} answered of {t.later_attempts}; {t.reused} of them reused D's KV")
     for reason, count in t.fallbacks.most_common():

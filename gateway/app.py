@@ -23,8 +23,8 @@ from gateway.api.messages_routes import MESSAGES_ROUTES
 from gateway.api.responses_routes import RESPONSES_ROUTES
 from gateway.api.routes import ROUTES
 from gateway.api.turn_entry import Gateway
-from gateway.assembly import ModelStack, build
-from gateway.config import Settings, engine_names, model_label
+from gateway.assembly import ModelSet, ModelStack
+from gateway.config import Settings
 from gateway.engines.client import EngineClient
 from gateway.store import ConversationStore, open_store
 from gateway.telemetry import Metrics
@@ -69,23 +69,20 @@ async def _lifespan(app: Litestar, settings: Settings, tracing: Tracing,
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         client = EngineClient(session)
         store = open_store(settings.redis_url, settings.conversation_ttl_s)
-        setups = settings.deployment()
-        stacks: list[ModelStack] = []
         admission = Admission(settings.max_concurrent_turns, settings.max_queued_prompt_tokens)    # the process's
+        models = ModelSet(client, store, state.metrics, tracing, admission)
         try:
-            for setup in setups:         # one after the other: each logs its own start-up report
-                label = model_label(setup.settings.model) + "." if len(setups) > 1 and setup.settings.model else ""
-                stacks.append(await build(setup, client, store, state.metrics, tracing, admission, label))
-            state.gateway = Gateway(state.api_keys, state.metrics, settings, [s.route for s in stacks],
+            await models.start(settings.deployment())
+            state.gateway = Gateway(state.api_keys, state.metrics, settings, models.routes,
                                     StoredResponses(store, state.metrics))
-            state.readiness = lambda: _readiness(store, stacks)
+            models.on_change = state.gateway.set_routes
+            state.readiness = lambda: _readiness(store, models.stacks)
             gc.freeze()      # start-up's objects (transformers, jinja, ...) leave the collector's scans for good
-            reloading = _reload_on_sighup(stacks, reload) if reload else contextlib.nullcontext()
+            reloading = _reload_on_sighup(models, reload) if reload else contextlib.nullcontext()
             with reloading:
                 yield
         finally:
-            for stack in stacks:
-                await stack.stop()
+            await models.stop()
             await store.close()
             tracing.shutdown()
 
@@ -97,25 +94,17 @@ def _from_state(name: str) -> Callable[[State], Any]:
 
 
 @contextlib.contextmanager
-def _reload_on_sighup(stacks: list[ModelStack], reload: Callable[[], Settings]) -> Iterator[None]:
+def _reload_on_sighup(models: ModelSet, reload: Callable[[], Settings]) -> Iterator[None]:
     loop = asyncio.get_running_loop()
     tasks: set[asyncio.Task] = set()
 
     async def apply() -> None:
         try:
-            fresh = {s.settings.model: s.settings for s in reload().deployment()}
-        except (SystemExit, ValueError) as exc:       # a bad file keeps the running configuration
+            said = await models.reload(reload().deployment())
+        except (SystemExit, Exception) as exc:        # a bad file keeps the running configuration
             log.error("configuration reload refused: %s", exc)
             return
-        for stack in stacks:         # each model's engines as the file now names them (models themselves stay)
-            now = fresh.get(stack.setup.settings.model)
-            if now is None:
-                log.error("configuration reload: model %r is no longer in the file; it keeps its engines (adding "
-                          "or removing a model needs a restart)", stack.setup.settings.model)
-                continue
-            for pool in stack.registry.pools.values():      # engines joining now get the names the file gives
-                pool.names.update(engine_names(now))
-            log.warning("configuration reloaded: %s", await stack.registry.sync(now.prefill, now.decode))
+        log.warning("configuration reloaded: %s", "; ".join(said))
 
     def on_signal() -> None:
         task = loop.create_task(apply())

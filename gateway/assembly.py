@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.api.turn_entry import ModelRoute
-from gateway.config import ModelSetup, Settings, engine_names
+from gateway.config import ModelSetup, Settings, engine_names, model_label
 from gateway.engines.client import EngineClient
 from gateway.engines.health import HealthChecker
 from gateway.engines.kv_events import KVEventFeeds, parse_mapping
@@ -53,11 +54,71 @@ class ModelStack:
     registry: EngineRegistry
     tasks: list[asyncio.Task] = field(default_factory=list)
 
+    @property
+    def name(self) -> str | None:
+        return self.setup.settings.model
+
     async def stop(self) -> None:
+        """Its loops end and what its turns left running finishes; its engines and rates leave /metrics."""
         for task in self.tasks:
             task.cancel()
         await self.feeds.stop()
+        self.health.close()
+        self.runner.metrics.learned_rates.source.discard(self.runner.rates.known)
         await self.runner.drain()
+
+
+class ModelSet:
+    """The models served now and what they share (HTTP session, store, metrics, the process's admission):
+    started together, changed by a reload (models added and taken out, each one's engines synced), stopped
+    together. `on_change` gets the routes after each change (the API's `Gateway.set_routes`)."""
+
+    def __init__(self, client: EngineClient, store: ConversationStore, metrics: Metrics, tracing: Tracing,
+                 admission: Admission) -> None:
+        self.client, self.store, self.metrics, self.tracing, self.admission = client, store, metrics, tracing, admission
+        self.stacks: list[ModelStack] = []
+        self.on_change: Callable[[list[ModelRoute]], None] = lambda routes: None
+
+    @property
+    def routes(self) -> list[ModelRoute]:
+        return [s.route for s in self.stacks]
+
+    async def start(self, setups: list[ModelSetup]) -> None:
+        for setup in setups:             # one after the other: each logs its own start-up report
+            self.stacks.append(await self._build(setup, several=len(setups) > 1))
+
+    async def reload(self, fresh: list[ModelSetup]) -> list[str]:
+        """Models named now and not served start; models served and no longer named stop (their turns in
+        flight finish first: only new requests stop finding them); the others' engines are synced."""
+        if not all(s.settings.prefill and s.settings.decode for s in fresh):
+            raise ValueError("every model needs at least one prefill and one decode engine")
+        named = {s.settings.model: s for s in fresh}
+        said = []
+        for stack in [s for s in self.stacks if s.name not in named]:
+            self.stacks.remove(stack)
+            self.on_change(self.routes)
+            await stack.stop()
+            await stack.registry.sync([], [])           # its engines leave the pools and pdgw_engine_healthy
+            said.append(f"model {stack.name} taken out")
+        for stack in self.stacks:
+            now = named[stack.name].settings
+            for pool in stack.registry.pools.values():      # engines joining now get the names the file gives
+                pool.names.update(engine_names(now))
+            said.append(f"{stack.name or 'engines'}: {await stack.registry.sync(now.prefill, now.decode)}")
+        for setup in (s for name, s in named.items() if name not in {st.name for st in self.stacks}):
+            self.stacks.append(await self._build(setup, several=True))
+            self.on_change(self.routes)
+            said.append(f"model {setup.settings.model} added")
+        return said
+
+    async def stop(self) -> None:
+        for stack in self.stacks:
+            await stack.stop()
+
+    async def _build(self, setup: ModelSetup, several: bool) -> ModelStack:
+        name = setup.settings.model
+        label = model_label(name) + "." if several and name else ""
+        return await build(setup, self.client, self.store, self.metrics, self.tracing, self.admission, label)
 
 
 async def build(setup: ModelSetup, client: EngineClient, store: ConversationStore, metrics: Metrics,

@@ -80,7 +80,7 @@ HELP = {
 }
 
 
-NOT_SETTINGS = ("config", "port_file", "print_config", "json", "strict")
+NOT_SETTINGS = ("config", "port_file", "print_config", "print_schema", "json", "strict")
 
 COMMANDS = {
     "serve": "run the gateway in front of vLLM prefill (--prefill) and decode (--decode) engines",
@@ -149,6 +149,11 @@ def serve(argv: list[str]) -> None:
     parser = settings_parser("pd-gateway serve", "Run the gateway.")
     parser.add_argument("--print-config", action="store_true",
                         help="print the effective settings (secrets masked) as YAML and exit")
+    parser.add_argument("--print-schema", action="store_true",
+                        help="print the settings file's JSON Schema (deploy/settings.schema.json) and exit")
+    if "--print-schema" in argv:            # before the settings are read: a file being written need not be valid
+        print(config.schema(), end="")
+        return
     settings, args = parse_settings(argv, "pd-gateway serve", parser)
     if args.print_config:
         print(yaml.safe_dump(config.effective(settings), sort_keys=False), end="")

@@ -272,6 +272,11 @@ def mask_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
+def schema() -> str:
+    """The settings file's JSON Schema (every setting, `models` included): editors and CI check files with it."""
+    return msgspec.json.format(msgspec.json.encode(msgspec.json.schema(Settings)), indent=2).decode() + "\n"
+
+
 def effective(settings: Settings) -> dict[str, Any]:
     """The settings as `--print-config` shows them: every field, secrets masked."""
     out = msgspec.to_builtins(settings)

@@ -182,6 +182,10 @@ class Sources:
     def add(self, source: Callable[[], Iterable[Any]]) -> None:
         self._each.append(source)
 
+    def discard(self, source: Callable[[], Iterable[Any]]) -> None:
+        """A part that stopped (a model taken out by a reload): its rows no longer show."""
+        self._each = [s for s in self._each if s != source]
+
     def __call__(self) -> list[Any]:
         return [row for source in self._each for row in source()]
 

@@ -58,9 +58,13 @@ class Gateway:
 
     def __init__(self, api_keys: ApiKeys, metrics: Metrics, settings: Settings, routes: list[ModelRoute],
                  responses: StoredResponses | None = None) -> None:
-        self.api_keys, self.metrics, self.settings, self.routes = api_keys, metrics, settings, routes
+        self.api_keys, self.metrics, self.settings = api_keys, metrics, settings
         self.responses = responses          # the Responses API's stored responses (responses_routes.py)
-        self._by_name = {name: r for r in routes for name in (*r.intake.served_models, *r.aliases)}
+        self.set_routes(routes)
+
+    def set_routes(self, routes: list[ModelRoute]) -> None:
+        """The models served from now on (a reload added or took out some); a turn already routed keeps its own."""
+        self.routes, self._by_name = routes, {name: r for r in routes for name in (*r.intake.served_models, *r.aliases)}
 
     def route(self, model: str | None) -> ModelRoute:
         """The model a request names (or an alias of it); none named: the first served. One model served: its

@@ -40,6 +40,10 @@ class HealthChecker:
         self.on_readmit: list[Callable[[Engine], None]] = []
         metrics.engine_data_plane.source.add(self._readings)
 
+    def close(self) -> None:
+        """Its engines leave /metrics (their model was taken out)."""
+        self._metrics.engine_data_plane.source.discard(self._readings)
+
     async def check_all(self) -> None:
         engines = [e for pool in self._pools for e in pool.engines.values()]
         results = await asyncio.gather(*(self._probe(e.url) for e in engines))

@@ -132,6 +132,7 @@ class KVEventFeeds:
                     self.subscribers.append(KVEventSubscriber(engine.url, endpoint, engine.cache, self.ctx))
                     log.info("KV events of %s: subscribing to %s", engine.url, endpoint)   # the log shows it
         self._tasks: list[asyncio.Task] = []
+        self._metrics = metrics
         if metrics is not None:
             metrics.kv_events.source.add(self.rows)
 
@@ -150,6 +151,8 @@ class KVEventFeeds:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self.ctx.destroy(linger=0)      # closes the sockets of a task cancelled before it ran, too
+        if self._metrics is not None:
+            self._metrics.kv_events.source.discard(self.rows)
 
 
 def parse_mapping(entries: list[str]) -> dict[str, str]:

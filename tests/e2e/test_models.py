@@ -139,3 +139,34 @@ def test_a_reload_changes_one_model_s_engines_and_leaves_the_other_s(two):
         config.write_text(json.dumps({"models": entries}))
         gateway.proc.send_signal(signal.SIGHUP)
         extra.stop()
+
+
+def test_a_reload_adds_a_model_and_takes_it_out_again(two):
+    gateway, _, (config, entries) = two
+    servers = [start(["sim", "--tokenizer", "builtin:demo", "--model", "late-c", "--role", role, "--engine-id",
+                      f"{role[0]}-late-c", *(["--stream-kv-params"] if role == "decode" else [])])
+               for role in ("prefill", "decode")]
+    try:
+        late = {"name": "late-c", "prefill": [servers[0].url], "decode": [servers[1].url], "tokenizer": "builtin:demo"}
+        config.write_text(json.dumps({"models": [*entries, late]}))
+        gateway.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 20
+        while "late-c" not in {m.id for m in client(gateway).models.list().data}:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert conversation(gateway, "late-c", "late", turns=2) == ["full", "reuse"]
+        assert gateway_metric(gateway, "pdgw_turns_total", model="late-c") == 2
+        config.write_text(json.dumps({"models": entries}))
+        gateway.proc.send_signal(signal.SIGHUP)
+        while "late-c" in {m.id for m in client(gateway).models.list().data}:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        with pytest.raises(openai.NotFoundError):
+            conversation(gateway, "late-c", "late", turns=1)
+        assert conversation(gateway, "chat-a", "still", turns=2) == ["full", "reuse"]      # the others serve on
+        assert servers[1].url not in {e["url"] for e in admin(gateway, "/admin/engines")["engines"]}
+        assert gateway_metric(gateway, "pdgw_engine_healthy", engine="late-c.decode-0") == 0     # gone from /metrics
+    finally:
+        config.write_text(json.dumps({"models": entries}))
+        for server in servers:
+            server.stop()

@@ -12,10 +12,12 @@ pytestmark = pytest.mark.integration
 CHAOS = Path(__file__).resolve().parents[2] / "bench" / "chaos.py"
 
 
-@pytest.mark.parametrize("flags", [[], ["--kv-events"]], ids=["leases", "kv_events"])
+@pytest.mark.parametrize("flags", [[], ["--kv-events"], ["--kv-events", "--models", "2"]],
+                         ids=["leases", "kv_events", "two_models"])
 def test_chaos_quick(flags):
     """With --kv-events the gateways plan from the engines' KV events, dropped, delayed and reordered on the
-    way (bench/event_relay.py): still nothing corrupt."""
+    way (bench/event_relay.py): still nothing corrupt. With --models 2, two models behind the gateways, each on
+    its own P and D, some session ids used with both."""
     out = subprocess.run([sys.executable, str(CHAOS), "--quick", *flags], capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from gateway import config
 from gateway.config import ConfigError, Settings
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def build(flags=None, file=None, env=None) -> Settings:
@@ -187,3 +191,13 @@ def test_a_model_s_kv_events_name_its_own_engines(tmp_path):
 def test_models_come_from_a_file_only():
     with pytest.raises(ConfigError, match="settings file"):
         config.build({}, None, {"PDGW_MODELS": "x"})
+
+
+def test_the_example_deployment_file_is_valid():
+    models = config.build({}, str(ROOT / "deploy" / "models.example.yaml"), {}).deployment()
+    assert [m.settings.model for m in models] == ["Qwen/Qwen3-8B", "meta-llama/Llama-3.1-8B-Instruct"]
+
+
+def test_the_committed_schema_is_the_settings_schema():
+    """deploy/settings.schema.json is `pd-gateway serve --print-schema`: regenerate it when a setting changes."""
+    assert (ROOT / "deploy" / "settings.schema.json").read_text() == config.schema()
