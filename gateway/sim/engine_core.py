@@ -185,25 +185,13 @@ class Engine:
         except BaseException:
             self.pool.release(table)
             raise
-        slots = self._check(prompt, table)
+        slots = checked(self.pool, self.stats, prompt, table)
         digest = context_digest(slots)
         answer = self.model.answer(digest, seed=req.seed, max_tokens=req.max_tokens,
                                    min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop=req.stop,
                                    tools=req.tools, schema=req.schema)
         table, num_hits = await self.allocator.with_answer_blocks(req, table, num_hits, hashes, len(answer.token_ids))
         return Running(req, table, num_hits, answer, digest)
-
-    def _check(self, prompt: list[int], table: list[int]) -> list[Slot]:
-        """The oracle: every slot used must hold this prompt's token at its position. Returns the slots."""
-        slots, bad = [], 0
-        for b, block_id in enumerate(table):
-            want = [(prompt[p], p) for p in range(b * self.bs, min((b + 1) * self.bs, len(prompt)))]
-            got = self.pool.blocks[block_id].slots[: len(want)]
-            bad += got != want
-            slots += got
-        self.stats.kv_reads_corrupt += bad
-        self.stats.requests_corrupt += bad > 0
-        return slots
 
     @contextlib.contextmanager
     def waiting_meanwhile(self, *, deferred: bool = False, seated: bool = True) -> Iterator[None]:
@@ -233,3 +221,17 @@ class Engine:
         while True:
             await asyncio.sleep(EXPIRY_TICK_S)
             self.handles.expire()
+
+
+def checked(pool: BlockPool, stats: SimStats, prompt: list[int], table: list[int]) -> list[Slot]:
+    """The oracle: every slot used must hold this prompt's token at its position (a wrong one counts as a corrupt
+    read). Returns the slots."""
+    slots, bad, bs = [], 0, pool.block_size
+    for b, block_id in enumerate(table):
+        want = [(prompt[p], p) for p in range(b * bs, min((b + 1) * bs, len(prompt)))]
+        got = pool.blocks[block_id].slots[: len(want)]
+        bad += got != want
+        slots += got
+    stats.kv_reads_corrupt += bad
+    stats.requests_corrupt += bad > 0
+    return slots

@@ -112,9 +112,12 @@ class Serving:
             raise SimRequestError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. "
                                        f"This model's maximum context length is {limit} tokens and your request "
                                        f"has {len(prompt)} input tokens ({max_tokens} > {limit} - {len(prompt)}).")
-        if not 0 <= body.min_tokens <= max_tokens:      # vLLM's SamplingParams._verify_args refuses both
-            raise SimRequestError(400, f"min_tokens must be greater than or equal to 0 and less than or equal to "
-                                       f"max_tokens={max_tokens}, got {body.min_tokens}.")
+        # vLLM's SamplingParams._verify_args (vllm/sampling_params.py) refuses both, in these words
+        if body.min_tokens < 0:
+            raise SimRequestError(400, f"min_tokens must be greater than or equal to 0, got {body.min_tokens}.")
+        if body.min_tokens > max_tokens:
+            raise SimRequestError(400, f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
+                                       f"got {body.min_tokens}.")
         try:
             schema = schema_of(body.response_format)
         except StructuredOutputError as exc:

@@ -74,7 +74,26 @@ class _FindOrBegin:
         return holders, None if holders else await self.begin_turn(new, now)  # type: ignore[attr-defined]
 
 
-class MemoryConversationStore(ResponseMethods, _ReplicaBeats, _FindOrBegin):
+class _Filing:
+    """Each live handle's conversation filed in the prefix index (`self._index`) under its record's hash."""
+
+    def _file(self, key: ConversationKey, entry: _Entry, record: Conversation, expires_at: float,
+              now: float) -> None:
+        """File the conversation in the prefix index under its record's hash, while its handle is live."""
+        digest = index_hash(record) if expires_at > now else None
+        if digest is None:
+            return
+        entry.indexed = digest
+        self._index.file(key, digest, expires_at, now)  # type: ignore[attr-defined]
+
+    def _unindex(self, key: ConversationKey, entry: _Entry) -> None:
+        if entry.indexed is None:
+            return
+        self._index.unfile(key, entry.indexed)  # type: ignore[attr-defined]
+        entry.indexed = None
+
+
+class MemoryConversationStore(ResponseMethods, _ReplicaBeats, _FindOrBegin, _Filing):
     kind = "memory"
 
     def __init__(
@@ -255,21 +274,6 @@ class MemoryConversationStore(ResponseMethods, _ReplicaBeats, _FindOrBegin):
             # Evicting a live handle leaves D's blocks pinned until its own TTL: bounded, not unsafe.
             evicted, gone = self._entries.popitem(last=False)
             self._unindex(evicted, gone)
-
-    def _file(self, key: ConversationKey, entry: _Entry, record: Conversation, expires_at: float,
-              now: float) -> None:
-        """File the conversation in the prefix index under its record's hash, while its handle is live."""
-        digest = index_hash(record) if expires_at > now else None
-        if digest is None:
-            return
-        entry.indexed = digest
-        self._index.file(key, digest, expires_at, now)
-
-    def _unindex(self, key: ConversationKey, entry: _Entry) -> None:
-        if entry.indexed is None:
-            return
-        self._index.unfile(key, entry.indexed)
-        entry.indexed = None
 
 
 def _state(entry: _Entry, now: float) -> HolderState:

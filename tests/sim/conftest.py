@@ -126,7 +126,8 @@ class Sims:
 
     def turn(self, p: Server, d: Server, messages: list[dict[str, Any]], d_handle: dict[str, Any] | None = None,
              **body: Any) -> dict[str, Any]:
-        p_resp = self.prefill(p, messages, d_handle, **body)
+        # as the gateway sends them: min_tokens to D only (P generates one token; vLLM refuses min_tokens above it)
+        p_resp = self.prefill(p, messages, d_handle, **{k: v for k, v in body.items() if k != "min_tokens"})
         assert p_resp["kv_transfer_params"] is not None
         return self.decode(d, messages, p_resp["kv_transfer_params"], **body)
 
