@@ -8,7 +8,9 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import signal
+import threading
 import time
+import uuid
 import urllib.parse
 import urllib.request
 
@@ -142,10 +144,15 @@ def test_a_reload_changes_one_model_s_engines_and_leaves_the_other_s(two):
 
 
 def test_a_reload_adds_a_model_and_takes_it_out_again(two):
+    """Under load: streamed turns of the models serving on run through both reloads, none fails."""
     gateway, _, (config, entries) = two
     servers = [start(["sim", "--tokenizer", "builtin:demo", "--model", "late-c", "--role", role, "--engine-id",
                       f"{role[0]}-late-c", *(["--stream-kv-params"] if role == "decode" else [])])
                for role in ("prefill", "decode")]
+    done, outcomes = threading.Event(), []
+    load = [threading.Thread(target=streamed_turns, args=(gateway, model, done, outcomes)) for model in MODELS]
+    for thread in load:
+        thread.start()
     try:
         late = {"name": "late-c", "prefill": [servers[0].url], "decode": [servers[1].url], "tokenizer": "builtin:demo"}
         config.write_text(json.dumps({"models": [*entries, late]}))
@@ -166,7 +173,28 @@ def test_a_reload_adds_a_model_and_takes_it_out_again(two):
         assert conversation(gateway, "chat-a", "still", turns=2) == ["full", "reuse"]      # the others serve on
         assert servers[1].url not in {e["url"] for e in admin(gateway, "/admin/engines")["engines"]}
         assert gateway_metric(gateway, "pdgw_engine_healthy", engine="late-c.decode-0") == 0     # gone from /metrics
+        done.set()
+        for thread in load:
+            thread.join(timeout=30)
+        assert outcomes and all(ok for ok in outcomes), outcomes.count(False)
     finally:
+        done.set()
         config.write_text(json.dumps({"models": entries}))
         for server in servers:
             server.stop()
+
+
+def streamed_turns(gateway, model: str, done: threading.Event, outcomes: list[bool]) -> None:
+    """Streamed conversations of two turns on `model` until `done`; each turn's outcome (answered or not)."""
+    while not done.is_set():
+        session, messages = uuid.uuid4().hex, [{"role": "user", "content": "tell me about rivers"}]
+        for _ in range(2):
+            try:
+                chunks = client(gateway).chat.completions.create(model=model, messages=messages, max_tokens=16,
+                                                                 stream=True, extra_headers={"X-Session-Id": session})
+                text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                outcomes.append(True)
+            except openai.OpenAIError:
+                outcomes.append(False)
+                break
+            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "and then?"}]
