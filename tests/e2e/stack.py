@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import openai
 
-from tests.servers import Server, start
+from tests.servers import Server, labelled_sum, start
 
 
 @dataclass
@@ -59,17 +59,6 @@ class Stack:
                                          headers={"Authorization": f"Bearer {key}"} if key else {})
         text = urllib.request.urlopen(request, timeout=5).read().decode()
         return labelled_sum(text, name, labels)
-
-
-def labelled_sum(text: str, name: str, labels: dict[str, str]) -> float:
-    """Of a /metrics page, the samples of `name` whose labels include `labels`, summed."""
-    total = 0.0
-    for line in text.splitlines():
-        key, _, value = line.rpartition(" ")
-        base, _, rest = key.partition("{")
-        if base == name and all(f'{k}="{v}"' in rest for k, v in labels.items()):
-            total += float(value)
-    return total
 
 
 KV_EVENTS = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*", "topic": "kv"}'

@@ -17,8 +17,8 @@ import urllib.request
 import openai
 import pytest
 
-from tests.e2e.stack import get_json, labelled_sum
-from tests.servers import start
+from tests.e2e.stack import get_json
+from tests.servers import labelled_sum, start
 
 ADMIN = "models-admin"
 MODELS = {"chat-a": ("builtin:demo", []), "think-b": ("builtin:demo-reasoning", ["--reasoning"])}

@@ -18,7 +18,7 @@ from functools import partial
 import openai
 
 from tests.conversation import TurnTaking
-from tests.servers import Server
+from tests.servers import Server, labelled_sum
 from tests.vllm.engines import SERVED_MODEL, Engine
 
 TIMEOUT_S = 120
@@ -140,11 +140,4 @@ def gateway_metric(gateway: Server, name: str, **labels: str) -> float:
     key = gateway.args[gateway.args.index("--admin-key") + 1] if "--admin-key" in gateway.args else None
     request = urllib.request.Request(gateway.url + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {})
     with urllib.request.urlopen(request, timeout=10) as resp:
-        text = resp.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        key, _, value = line.rpartition(" ")
-        base, _, rest = key.partition("{")
-        if base == name and all(f'{k}="{v}"' in rest for k, v in labels.items()):
-            total += float(value)
-    return total
+        return labelled_sum(resp.read().decode(), name, labels)
