@@ -207,7 +207,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for m in self.models:
             if not m.prefill or not m.decode:
                 raise ValueError(f"models: {m.name!r} needs at least one prefill and one decode engine")
-            msgspec.structs.replace(self, models=[], model=m.name, **_own(m))     # its settings checked
+        self.deployment()           # each model's own settings, checked as the top level's are
 
     @property
     def handle_ttl_s(self) -> float:

@@ -79,7 +79,7 @@ class Gateway:
     @property
     def served(self) -> list[str]:
         """Every name a request may give, as /v1/models lists them."""
-        return [name for r in self.routes for name in (*r.intake.served_models, *r.aliases)]
+        return list(self._by_name)
 
 
 @dataclass
