@@ -7,6 +7,7 @@ import asyncio
 import errno
 import sys
 import typing
+from typing import Any
 
 import msgspec
 import yaml
@@ -17,6 +18,7 @@ from gateway.config import Settings
 HELP = {
     "prefill": "prefill engine base URL (repeatable)",
     "decode": "decode engine base URL (repeatable)",
+    "workers": "processes serving the port, each with its own event loop (more than one needs --redis-url)",
     "redis_url": "Redis URL for shared conversation state; without it an embedded single-process store is used",
     "tokenizer": "tokenizer: builtin:demo, builtin:demo-reasoning, a local path or a hub id (must match the engines)",
     "chat_template": "chat template file overriding the tokenizer's",
@@ -141,16 +143,10 @@ def parse_settings(argv: list[str], prog: str,
 
 
 def serve(argv: list[str]) -> None:
-    from gateway.app import create_app
-    from gateway.connections import Limits, default_max_connections
-    from gateway.serving import serve as run
+    from gateway.serving import write_port
     from gateway.telemetry import setup_logging
 
-    parser = settings_parser("pd-gateway serve", "Run the gateway.")
-    parser.add_argument("--print-config", action="store_true",
-                        help="print the effective settings (secrets masked) as YAML and exit")
-    parser.add_argument("--print-schema", action="store_true",
-                        help="print the settings file's JSON Schema (deploy/settings.schema.json) and exit")
+    parser = _serve_parser()
     if "--print-schema" in argv:            # before the settings are read: a file being written need not be valid
         print(config.schema(), end="")
         return
@@ -159,25 +155,71 @@ def serve(argv: list[str]) -> None:
         print(yaml.safe_dump(config.effective(settings), sort_keys=False), end="")
         return
     setup_logging(settings.log_level, settings.log_format)
-    try:
-        # SIGHUP re-reads the same flags, environment and file: engines join and leave without a restart.
-        app = create_app(settings, reload=lambda: parse_settings(argv, "pd-gateway serve", parser)[0])
-    except ValueError as exc:
-        raise SystemExit(f"pd-gateway serve: {exc}") from None
+    app = _app(argv, settings, parser)
     from gateway.startup import transfer_preflight
     for setup in settings.deployment():         # each model's pools: a mixed one is one line, not a start
         if refusal := asyncio.run(transfer_preflight(setup.settings)).refusal:
             raise SystemExit(f"pd-gateway serve: refused: {refusal}")
-    limits = Limits(settings.header_timeout_s, settings.body_timeout_s,
-                    settings.max_connections or default_max_connections())
+    started = write_port(args.port_file) if args.port_file else None
     try:
-        run(app, settings.host, settings.port, port_file=args.port_file, log_level=settings.log_level,
-            limits=limits, keep_alive_s=settings.keep_alive_timeout_s, metrics_port=settings.metrics_port)
+        if settings.workers > 1:
+            from gateway import workers
+            workers.run(serve_worker, argv, settings.workers, settings.host,
+                        workers.Ports(settings.port, settings.metrics_port), started)
+        else:
+            _run(app, settings, settings.port, settings.metrics_port, started)
     except OSError as exc:
         if exc.errno not in _LISTEN_ERRORS:
             raise
         raise SystemExit(f"pd-gateway serve: {settings.host}:{settings.port} {_LISTEN_ERRORS[exc.errno]}: stop "
                          "what listens there (another gateway or scripts/demo?) or pass another --port") from None
+
+
+def serve_worker(argv: list[str], index: int, ports: Any, ready: Any) -> None:
+    """One of `serve --workers N`'s processes (gateway/workers.py, which passes its `Ports` and the `Connection`
+    it waits on): the same flags, the ports the supervisor holds, bound with SO_REUSEPORT."""
+    from gateway.telemetry import setup_logging
+
+    parser = _serve_parser()
+    settings, _ = parse_settings(argv, "pd-gateway serve", parser)
+    setup_logging(settings.log_level, settings.log_format)
+
+    def announce(port: int) -> None:
+        try:
+            ready.send(port)
+        except OSError:             # a replacement worker: the supervisor no longer waits for it
+            pass
+
+    _run(_app(argv, settings, parser), settings, ports.api, ports.metrics, announce, reuse_port=True)
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    parser = settings_parser("pd-gateway serve", "Run the gateway.")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the effective settings (secrets masked) as YAML and exit")
+    parser.add_argument("--print-schema", action="store_true",
+                        help="print the settings file's JSON Schema (deploy/settings.schema.json) and exit")
+    return parser
+
+
+def _app(argv: list[str], settings: Settings, parser: argparse.ArgumentParser) -> Any:
+    from gateway.app import create_app
+    try:
+        # SIGHUP re-reads the same flags, environment and file: engines join and leave without a restart.
+        return create_app(settings, reload=lambda: parse_settings(argv, "pd-gateway serve", parser)[0])
+    except ValueError as exc:
+        raise SystemExit(f"pd-gateway serve: {exc}") from None
+
+
+def _run(app: Any, settings: Settings, port: int, metrics_port: int | None, started: Any,
+         reuse_port: bool = False) -> None:
+    from gateway.connections import Limits, default_max_connections
+    from gateway.serving import serve as run
+
+    limits = Limits(settings.header_timeout_s, settings.body_timeout_s,
+                    settings.max_connections or default_max_connections())
+    run(app, settings.host, port, started=started, log_level=settings.log_level, limits=limits,
+        keep_alive_s=settings.keep_alive_timeout_s, metrics_port=metrics_port, reuse_port=reuse_port)
 
 
 def check(argv: list[str]) -> None:

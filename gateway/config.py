@@ -103,6 +103,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     host: str = "0.0.0.0"
     port: Port = DEFAULT_PORT
     metrics_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None  # /metrics, /openapi.json on their own
+    workers: PositiveInt = 1                      # processes serving the port (gateway/workers.py)
     redis_url: str | None = None
     tokenizer: str = DEFAULT_TOKENIZER
     chat_template: str | None = None
@@ -163,6 +164,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 _check_url(name, url, ("http", "https"))
         if self.metrics_port is not None and self.metrics_port == self.port:
             raise ValueError("metrics_port: must differ from port (the metrics listener is a second socket)")
+        if self.workers > 1 and self.redis_url is None:
+            raise ValueError("workers: more than one needs redis_url (the embedded store lives in one process, "
+                             "and each worker would see only its own conversations)")
         for entry in self.engine_names:
             if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}=\S+", entry):
                 raise ValueError(f"engine_names: {entry!r} is not NAME=URL (NAME: letters, digits, _ . -)")

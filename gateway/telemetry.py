@@ -7,22 +7,32 @@ import copy
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client import Counter as _Counter
 from prometheus_client import Gauge as _Gauge
 from prometheus_client import Histogram as _Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
+MULTIPROCESS_DIR = "PROMETHEUS_MULTIPROC_DIR"    # set by gateway/workers.py for its workers, read by prometheus_client
+WORKER_ENV = "PD_GATEWAY_WORKER"                 # a worker's index, set likewise (not PDGW_: that is settings')
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # The gateway's own time per turn is sub-millisecond when all is well: fine buckets there, coarse above.
 GATEWAY_BUCKETS = (0.00005, 0.0001, 0.00015, 0.0002, 0.0003, 0.0004, 0.0005, 0.0006, 0.0008, 0.001, 0.0015,
                    0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.5)
+
+
+def worker_index() -> int | None:
+    """This process's index among `serve --workers N`'s, or None outside them."""
+    value = os.environ.get(WORKER_ENV)
+    return int(value) if value is not None else None
 
 
 class _CachedLabels:
@@ -108,8 +118,6 @@ class Metrics:
         self.rejected = Counter(
             "pdgw_rejected", "Requests refused as the client's fault (4xx), by API and reason (the error code)",
             ["api", "reason"], registry=r)
-        self.engine_healthy = Gauge("pdgw_engine_healthy", "1 if the engine passes health checks",
-                                    ["pool", "engine"], registry=r)
         self.local_bound_tokens = Histogram(
             "pdgw_local_bound_tokens", "Tokens a warm turn's D may compute itself given its headroom (the local bound)",
             ["model", "plan"], buckets=(0, 256, 512, 1024, 2048, 4096, 8192, 16384), registry=r)
@@ -126,21 +134,25 @@ class Metrics:
             "pdgw_handles_missing", "Finished turns whose D returned no handle, by why", ["model", "reason"],
             registry=r)
 
+        # Across workers (serve --workers): the host's pins and budget are its workers' sums; the used ratio is
+        # each worker's own (a `pid` label), as no sum or maximum of ratios would mean anything.
         self.pinned_tokens = Gauge(
             "pdgw_pinned_tokens", "Tokens of KV this gateway's stored handles pin on each D", ["engine"],
-            registry=r)
+            registry=r, multiprocess_mode="livesum")
         self.handles_evicted = Counter(
             "pdgw_handles_evicted", "Idle handles released to keep a D within its pin budget", ["engine"],
             registry=r)
         self.pins_used_ratio = Gauge(
             "pdgw_pins_used_ratio", "Share of the handles kept on each D that a later turn used before they were "
-            "evicted or expired (decayed over about the last 50)", ["engine"], registry=r)
+            "evicted or expired (decayed over about the last 50)", ["engine"], registry=r,
+            multiprocess_mode="liveall")
         self.pin_saved_tokens = Counter(
             "pdgw_pin_saved_tokens", "Prompt tokens read from kept handles instead of recomputed on P, per D",
             ["engine"], registry=r)
         self.pin_budget_blocks = Gauge(
             "pdgw_pin_budget_blocks", "Each D's effective pin budget in blocks: decode_pin_budget scaled by how well "
-            "pins pay and by D's pressure", ["engine"], registry=r)
+            "pins pay and by D's pressure", ["engine"], registry=r,
+            multiprocess_mode="livesum")
         self.push_decode_aborts = Counter(
             "pdgw_push_decode_aborts", "Push mode: D legs the gateway aborted while D waited for P's WRITE, by why "
             "(prefill_failed and no_write may leave D's blocks held: vLLM frees them only on a WRITE)", ["reason"],
@@ -151,6 +163,10 @@ class Metrics:
         r.register(self.engine_data_plane)
         self.kv_events = KVEventsState()
         r.register(self.kv_events)
+        self.engine_health = EngineHealth()
+        r.register(self.engine_health)
+        # What each process knows now, read at scrape time: with workers, the scraped one's view
+        self._live = (self.learned_rates, self.engine_data_plane, self.kv_events, self.engine_health)
         # The turn's families carry the served model first; this object gives it as "" (tests, one model unnamed),
         # `for_model` as a model's name (assembly.py: each model's turn machinery gets its own view).
         self._per_model = {name: getattr(self, name) for name in MODEL_LABELLED}
@@ -170,7 +186,18 @@ class Metrics:
         return self.engine_names.get(url, "unnamed") if url else url
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        shared = os.environ.get(MULTIPROCESS_DIR)
+        return generate_latest(self._across_workers(shared) if shared else self.registry)
+
+    def _across_workers(self, path: str) -> CollectorRegistry:
+        """Under `serve --workers N` (gateway/workers.py) every worker's counters, histograms and gauges are
+        kept in files of one folder by prometheus_client's multiprocess mode, and whichever worker is scraped
+        sums them; the collectors read at scrape time (engines' health, data plane, KV events, rates) are its own."""
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path)
+        for collector in self._live:
+            registry.register(collector)
+        return registry
 
 
 class Sources:
@@ -286,6 +313,21 @@ class EngineDataPlane:
                 else:
                     family.add_metric([pool, engine], float(value))
             yield family
+
+
+class EngineHealth:
+    """`pdgw_engine_healthy{pool, engine}`: 1 if the engine passes health checks, from `source` at scrape time:
+    (pool, engine name, healthy) for each engine checked at least once; one that left its pool leaves with it."""
+
+    def __init__(self) -> None:
+        self.source = Sources()
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily("pdgw_engine_healthy", "1 if the engine passes health checks",
+                                   labels=["pool", "engine"])
+        for pool, engine, healthy in self.source():
+            family.add_metric([pool, engine], 1.0 if healthy else 0.0)
+        yield family
 
 
 class KVEventsState:

@@ -18,7 +18,7 @@ from gateway.api.sessions import session_id
 from gateway.api.turn_entry import Gateway, TurnCall, request_id, respond, run_turn
 from gateway.api.validation import check_stop
 from gateway.config import Settings
-from gateway.telemetry import Metrics
+from gateway.telemetry import Metrics, worker_index
 from gateway.turns.admin_actions import ConversationKey
 from gateway.turns.intake.intake import Intake
 from gateway.turns.intake.request import TurnRequest
@@ -43,9 +43,13 @@ async def models(request: Request, gateway: NamedDependency[Gateway]) -> dict[st
         {"id": name, "object": "model", "owned_by": "pd-gateway"} for name in gateway.served]}
 
 
+# Under `serve --workers N` it says which worker answered (each connection stays with one).
+_HEALTH: dict[str, object] = {"status": "ok"} | ({"worker": i} if (i := worker_index()) is not None else {})
+
+
 @get("/health")
-async def health() -> dict[str, str]:
-    return {"status": "ok"}
+async def health() -> dict[str, object]:
+    return _HEALTH
 
 
 @get("/ready")

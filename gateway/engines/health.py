@@ -39,10 +39,12 @@ class HealthChecker:
         # Called (synchronously) when an engine comes back healthy: what was proven about it may have changed
         self.on_readmit: list[Callable[[Engine], None]] = []
         metrics.engine_data_plane.source.add(self._readings)
+        metrics.engine_health.source.add(self._health)
 
     def close(self) -> None:
         """Its engines leave /metrics (their model was taken out)."""
         self._metrics.engine_data_plane.source.discard(self._readings)
+        self._metrics.engine_health.source.discard(self._health)
 
     async def check_all(self) -> None:
         engines = [e for pool in self._pools for e in pool.engines.values()]
@@ -63,7 +65,6 @@ class HealthChecker:
                         hook(engine)
             engine.healthy = ok
             self._metrics.engine_names[engine.url] = engine.name
-            self._metrics.engine_healthy.labels(engine.role, engine.name).set(int(ok))
         await self._scrape(engines)
 
     async def _scrape(self, engines: list[Engine]) -> None:
@@ -87,6 +88,11 @@ class HealthChecker:
             return (await self._client.get(url, "/metrics", timeout_s=METRICS_TIMEOUT_S)).decode("utf-8", "replace")
         except GatewayError:
             return None
+
+    def _health(self) -> list[tuple[str, str, bool]]:
+        """For `pdgw_engine_healthy` at scrape time: the engines of the pools now, once checked."""
+        return [(e.role, e.name, e.healthy) for pool in self._pools for e in pool.engines.values()
+                if e.url in self._misses]
 
     def _readings(self) -> list[tuple[str, str, dataplane.DataPlane]]:
         """For `pdgw_engine_*` at scrape time: the engines of the pools now, with their last readings."""

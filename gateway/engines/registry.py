@@ -34,7 +34,6 @@ class EngineRegistry:
         engine = self.pools[role].remove(url)
         if engine is None:
             return False
-        self.metrics.engine_healthy.remove(role, engine.name)
         log.warning("engine %s removed from the %s pool; its turns in flight finish", engine.url, role)
         return True
 

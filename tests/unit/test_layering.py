@@ -26,12 +26,13 @@ TURNS_PACKAGES = {"intake": {"store"}, "reuse": {"engines", "store"}, "legs": {"
 # top-level modules → gateway packages and modules they may import (besides the leaves)
 TOP_LEVEL = {
     "__main__": {"cli"},
-    "cli": {"app", "serving", "connections", "startup", "demo", "store", "sim", "api", "verify"},   # commands
+    "cli": {"app", "serving", "connections", "startup", "demo", "store", "sim", "api", "verify", "workers"},
     "app": {"api", "engines", "store", "turns", "assembly"},               # wires everything but the simulator
     "assembly": {"api", "turns", "engines", "store", "startup"},          # one model's part
     "startup": {"engines", "store", "turns", "startup_findings"},
     "startup_findings": {"engines", "turns"},
     "serving": {"connections"},
+    "workers": {"serving"},                                               # serve --workers N's supervisor
     "connections": set(),
     "processes": set(),
     "demo": {"processes"},
