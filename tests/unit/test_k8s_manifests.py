@@ -40,7 +40,7 @@ from gateway.api.routes import ROUTES
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy/k8s"
 OVERLAYS = ("dev", "xpyd")
-K8S_VERSIONS = ("1.30", "1.37")         # oldest (the preStop sleep is avoided for it) and newest supported
+K8S_VERSIONS = ("1.30", "1.37")         # the oldest and newest Kubernetes the manifests are meant for
 CRD_SCHEMAS = {("monitoring.coreos.com/v1", "ServiceMonitor"): ROOT / "tests/data/servicemonitor-v1.schema.json"}
 ENGINE_SCRIPT = "/deploy/vllm-serve.sh"
 FAKE_POD = {"metadata.name": "pdgw-decode-7d9f-x2k4q", "status.podIP": "10.1.2.3"}
