@@ -61,9 +61,12 @@ class Servers(contextlib.ExitStack):
         self.callback(server.stop)
         return server
 
-    def sims(self, specs: list[tuple[str, str, list[str]]]) -> list[Server]:
-        """Start several sims at once (their start-up is mostly imports: overlapping them saves wall time)."""
-        return self._wait([_Pending(["sim", "--role", role, "--engine-id", eid, *flags]) for role, eid, flags in specs])
+    def sims(self, specs: list[tuple[str, str, list[str]]], cpus: list[set[int]] | None = None) -> list[Server]:
+        """Start several sims at once (their start-up is mostly imports: overlapping them saves wall time);
+        `cpus`: each one's CPU set, in order."""
+        where = cpus or [None] * len(specs)
+        return self._wait([_Pending(["sim", "--role", role, "--engine-id", eid, *flags], cpus=c)
+                           for (role, eid, flags), c in zip(specs, where, strict=True)])
 
     def _wait(self, procs: list[_Pending]) -> list[Server]:
         for proc in procs:            # stopped on exit even if another one fails to start
