@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from gateway.api.turn_entry import ModelRoute
 from gateway.config import ModelSetup, Settings, engine_names, model_label
 from gateway.engines.client import EngineClient
+from gateway.engines.discovery import DnsResolver, EngineDiscovery
 from gateway.engines.health import HealthChecker
 from gateway.engines.kv_events import KVEventFeeds, parse_mapping
 from gateway.engines.pool import EnginePool
@@ -52,6 +53,7 @@ class ModelStack:
     runner: TurnRunner
     route: ModelRoute
     registry: EngineRegistry
+    discovery: EngineDiscovery
     tasks: list[asyncio.Task] = field(default_factory=list)
 
     @property
@@ -104,7 +106,8 @@ class ModelSet:
             now = named[stack.name].settings
             for pool in stack.registry.pools.values():      # engines joining now get the names the file gives
                 pool.names.update(engine_names(now))
-            said.append(f"{stack.name or 'engines'}: {await stack.registry.sync(now.prefill, now.decode)}")
+            changes = await stack.discovery.reload(stack.registry, now.prefill, now.decode)
+            said.append(f"{stack.name or 'engines'}: {changes}")
         for setup in (s for name, s in named.items() if name not in {st.name for st in self.stacks}):
             self.stacks.append(await self._build(setup, several=True))
             self.on_change(self.routes)
@@ -127,8 +130,9 @@ async def build(setup: ModelSetup, client: EngineClient, store: ConversationStor
     default names in metrics where several models are served (their pools would otherwise both say prefill-0)."""
     settings = setup.settings
     names = engine_names(settings)
-    prefill = EnginePool("prefill", settings.prefill, names, label)
-    decode = EnginePool("decode", settings.decode, names, label)
+    discovery = EngineDiscovery(DnsResolver(settings.discovery_nameserver), settings.discovery_interval_s)
+    await discovery.follow(settings.prefill, settings.decode)      # dns:// entries' first answers
+    prefill, decode = discovery.pool("prefill", names, label), discovery.pool("decode", names, label)
     health = HealthChecker(client, [prefill, decode], metrics, settings.health_interval_s)
     feeds = KVEventFeeds(parse_mapping(settings.kv_events), [prefill, decode], metrics)
     feeds.start()                        # before the first turn: a publisher's seq 0 then says "complete"
@@ -153,8 +157,9 @@ async def build(setup: ModelSetup, client: EngineClient, store: ConversationStor
     route = ModelRoute(intake, runner, Continuation(intake), ConversationAdmin(store, runner.releaser,
                        runner.state.pins), EngineAdmin(prefill, decode, registry, runner.state.pins),
                        scope=setup.scope, aliases=setup.aliases)
-    stack = ModelStack(setup, prefill, decode, health, feeds, runner, route, registry)
+    stack = ModelStack(setup, prefill, decode, health, feeds, runner, route, registry, discovery)
     stack.tasks.append(asyncio.create_task(health.run()))
+    stack.tasks.append(asyncio.create_task(discovery.run(registry)))
     if (ledger := runner.state.pins.pins) is not None:
         stack.tasks.append(asyncio.create_task(ReplicaShare(store, ledger.budget).run()))
     if (probing := await _calibrated(runner, prefill, decode, renderer, health, metrics, settings, served)):

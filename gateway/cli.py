@@ -16,8 +16,8 @@ from gateway import config
 from gateway.config import Settings
 
 HELP = {
-    "prefill": "prefill engine base URL (repeatable)",
-    "decode": "decode engine base URL (repeatable)",
+    "prefill": "prefill engine base URL, or dns://NAME:PORT to follow the engines a DNS name resolves to (repeatable)",
+    "decode": "decode engine base URL, or dns://NAME:PORT to follow the engines a DNS name resolves to (repeatable)",
     "workers": "processes serving the port, each with its own event loop (more than one needs --redis-url)",
     "redis_url": "Redis URL for shared conversation state; without it an embedded single-process store is used",
     "tokenizer": "tokenizer: builtin:demo, builtin:demo-reasoning, a local path or a hub id (must match the engines)",
@@ -55,6 +55,8 @@ HELP = {
     "decode_first_byte_timeout_s": "D leg deadline for its first byte",
     "decode_idle_timeout_s": "D leg deadline between two streamed chunks",
     "health_interval_s": "engine health check period",
+    "discovery_interval_s": "how often dns:// pool entries are resolved again (engines joining and leaving)",
+    "discovery_nameserver": "IP[:PORT] of the nameserver resolving dns:// pool entries (default: resolv.conf's)",
     "log_level": "debug, info, warning, error or critical",
     "log_format": "text, or json: one JSON object per line (one line per turn at info level)",
     "tracing": "OpenTelemetry spans per turn and leg: off, console (stderr) or otlp",
@@ -71,7 +73,8 @@ HELP = {
     "metrics_port": "serve /metrics and /openapi.json on this port of --host (open there, and only they and "
                     "/health, /ready), not on --port; bind it where only Prometheus reaches",
     "engine_names": "an engine's name in /metrics labels, as NAME=URL (repeatable); default: role and order "
-                    "(prefill-0, decode-1): labels never carry hosts or ports",
+                    "(prefill-0, decode-1): labels never carry hosts or ports; an engine a dns:// entry found: "
+                    "role and pod address (decode-10.0.3.7)",
     "header_timeout_s": "a client must send a request's headers within this of its first byte (or of connecting); "
                         "then 408 and the connection is closed",
     "body_timeout_s": "... and its whole body within this of its headers (a total); then 408 and closed",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import ipaddress
 import os
 import re
 import tomllib
@@ -38,6 +39,8 @@ DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 8192
 # What local prefills in flight may add to a step of D's running streams (bench/GPU-RESULTS.md, under load: PD's
 # ITL p99 was 35-52 ms where one engine's was 37-122 ms; 20 ms keeps PD's p99 under 0.6x the co-located one's).
 DEFAULT_LOCAL_ITL_BUDGET_MS = 20.0
+# dns:// pool entries (engines/discovery.py) are resolved again this often: CoreDNS's answers for a Service live 5 s
+DEFAULT_DISCOVERY_INTERVAL_S = 5.0
 DEFAULT_TENANT = "default"
 ENV_PREFIX = "PDGW_"
 CONFIG_ENV = "PDGW_CONFIG"       # names the settings file when --config is not given
@@ -144,6 +147,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     decode_first_byte_timeout_s: Seconds = 120.0
     decode_idle_timeout_s: Seconds = 60.0
     health_interval_s: Seconds = 2.0
+    discovery_interval_s: Seconds = DEFAULT_DISCOVERY_INTERVAL_S   # dns:// pool entries resolved again this often
+    discovery_nameserver: str | None = None        # "HOST[:PORT]" resolving them; None: the system's resolv.conf
     log_level: LogLevel = "info"
     log_format: LogFormat = "text"
     tracing: TracingMode = "off"
@@ -161,7 +166,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         self._check_models()
         for name in ("prefill", "decode"):
             for url in getattr(self, name):
-                _check_url(name, url, ("http", "https"))
+                _check_url(name, url, ("http", "https", "dns"))
+                if url.startswith("dns:"):
+                    _check_dns_entry(name, url)
+        if self.discovery_nameserver is not None:
+            nameserver(self.discovery_nameserver)
         if self.metrics_port is not None and self.metrics_port == self.port:
             raise ValueError("metrics_port: must differ from port (the metrics listener is a second socket)")
         if self.workers > 1 and self.redis_url is None:
@@ -261,6 +270,26 @@ def _check_url(name: str, url: str, schemes: tuple[str, ...]) -> None:
         raise ValueError(f"{name}: {mask_url(url)!r} is not a valid URL") from None
     if parts.scheme not in schemes or not (parts.hostname or parts.scheme == "unix" and parts.path):
         raise ValueError(f"{name}: {mask_url(url)!r} is not a valid URL (scheme must be {' or '.join(schemes)})")
+
+
+def _check_dns_entry(name: str, url: str) -> None:
+    """`dns://NAME:PORT`: a name whose A records are the engines, all serving HTTP on PORT."""
+    parts = urlsplit(url)
+    if parts.port is None or parts.path.strip("/") or parts.query or parts.username:
+        raise ValueError(f"{name}: {url!r}: a dns:// entry is dns://NAME:PORT (the engines' HTTP port), "
+                         "nothing after the port")
+
+
+def nameserver(value: str) -> tuple[str, int]:
+    """`--discovery-nameserver`: `IP`, `IP:PORT` or `[IPv6]:PORT` → (IP, port); a nameserver is given by address."""
+    try:
+        parts = urlsplit("//" + value)
+        host, port = parts.hostname or "", parts.port or 53
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"discovery_nameserver: {value!r} is not IP[:PORT] (a nameserver is given by its "
+                         "address)") from None
+    return host, port
 
 
 def mask_url(url: str) -> str:

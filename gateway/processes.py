@@ -41,10 +41,11 @@ class Server:
     port: int
     log_path: Path
     args: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -54,14 +55,16 @@ class Server:
 
 
 def start(args: list[str], *, health: str = "/health", env: dict[str, str] | None = None,
-          port: int = 0, log_dir: Path | None = None, name: str | None = None, own_session: bool = False) -> Server:
-    """Run `pd-gateway ARGS --host 127.0.0.1 --port PORT --port-file F` and wait until it answers `health`.
+          port: int = 0, log_dir: Path | None = None, name: str | None = None, own_session: bool = False,
+          host: str = "127.0.0.1") -> Server:
+    """Run `pd-gateway ARGS --host HOST --port PORT --port-file F` and wait until it answers `health` (HOST: another
+    loopback address, 127.0.0.2 say, for engines that must share a port, as pods behind one DNS name do).
     Its output goes to `log_dir/NAME.log` (default: a fresh temporary folder, `log`). `own_session`: the child
     gets its own session, so a terminal's Ctrl-C (SIGINT to the foreground process group) reaches only this
     process, which then stops the child itself (`pd-gateway demo`)."""
     tmp = log_dir or Path(tempfile.mkdtemp(prefix="pdgw-test-"))
     port_file, log_path = (tmp / f"{name}.port", tmp / f"{name}.log") if name else (tmp / "port", tmp / "log")
-    cmd = [sys.executable, "-m", "gateway", *args, "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "gateway", *args, "--host", host, "--port", str(port),
            "--port-file", str(port_file)]
     log = open(log_path, "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
@@ -73,7 +76,7 @@ def start(args: list[str], *, health: str = "/health", env: dict[str, str] | Non
             if proc.poll() is not None:
                 raise RuntimeError(f"{args[0]} exited {proc.returncode}:\n{log_path.read_text()}")
             if server is None and port_file.exists() and port_file.read_text().strip():
-                server = Server(proc, int(port_file.read_text()), log_path, args)
+                server = Server(proc, int(port_file.read_text()), log_path, args, host)
             if server is not None and answers(server.url + health):
                 return server
             time.sleep(0.05)

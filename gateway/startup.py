@@ -26,6 +26,7 @@ import aiohttp
 from gateway import startup_findings as findings
 from gateway.config import Settings, mask_url
 from gateway.engines.client import EngineClient
+from gateway.engines.discovery import resolved
 from gateway.engines.engine import Engine
 from gateway.engines.pool import EnginePool
 from gateway.engines.probe import PROBE_TIMEOUT_S, honours_pinned_ids, probe, tokenize_chat
@@ -159,8 +160,9 @@ async def check(settings: Settings) -> StartupReport:
     async with aiohttp.ClientSession(timeout=timeout) as session:
         store = open_store(settings.redis_url, settings.conversation_ttl_s)
         try:
-            return await gather(EngineClient(session), EnginePool("prefill", settings.prefill),
-                                EnginePool("decode", settings.decode), renderer, store, settings)
+            prefill, decode = await resolved(settings.prefill, settings.decode, settings.discovery_nameserver)
+            return await gather(EngineClient(session), EnginePool("prefill", prefill),
+                                EnginePool("decode", decode), renderer, store, settings)
         finally:
             await store.close()
 

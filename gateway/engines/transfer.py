@@ -27,6 +27,7 @@ import aiohttp
 from gateway.config import Settings, mask_url
 from gateway.engines import kv
 from gateway.engines.client import EngineClient
+from gateway.engines.discovery import resolved
 from gateway.engines.engine import Engine
 from gateway.engines.facts import KvTransfer
 from gateway.engines.pool import EnginePool
@@ -126,10 +127,11 @@ async def preflight(settings: Settings) -> ModeVerdict:
     """The mode decision alone, from a session of its own: `serve` runs it before it listens, so that a refusal
     ends the start with one line instead of a failed application start-up."""
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s)
+    prefill, decode = await resolved(settings.prefill, settings.decode, settings.discovery_nameserver, quiet=True)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         client = EngineClient(session)
         seen = await asyncio.gather(*(_seen(client, role, url) for role, urls in
-                                      (("prefill", settings.prefill), ("decode", settings.decode)) for url in urls))
+                                      (("prefill", prefill), ("decode", decode)) for url in urls))
     return decide(settings.kv_transfer_mode, [s for s in seen if s is not None])
 
 

@@ -138,6 +138,31 @@ def test_kv_events_name_an_engine_and_an_endpoint(entry, ok):
             config.build(flags, environ={})
 
 
+@pytest.mark.parametrize("entry, ok", [
+    ("dns://pdgw-decode.ns.svc.cluster.local:8000", True), ("dns://pdgw-decode:8000/", True),
+    ("dns://pdgw-decode", False), ("dns://pdgw-decode:8000/v1", False), ("dns://:8000", False),
+    ("dns+https://pdgw-decode:8000", False)])
+def test_a_dns_entry_is_a_name_and_the_engines_port(entry, ok):
+    flags = {"prefill": ["http://p:8000"], "decode": [entry]}
+    if ok:
+        assert config.build(flags, environ={}).decode == [entry]
+    else:
+        with pytest.raises(ConfigError, match="decode"):
+            config.build(flags, environ={})
+
+
+@pytest.mark.parametrize("value, address", [
+    ("10.96.0.10", ("10.96.0.10", 53)), ("127.0.0.1:5353", ("127.0.0.1", 5353)), ("[::1]:53", ("::1", 53)),
+    ("kube-dns.kube-system", None), ("10.0.0.1:port", None)])
+def test_the_discovery_nameserver_is_an_address(value, address):
+    if address is not None:
+        assert config.nameserver(config.build({"discovery_nameserver": value}, environ={}).discovery_nameserver) \
+            == address
+    else:
+        with pytest.raises(ConfigError, match="discovery_nameserver"):
+            config.build({"discovery_nameserver": value}, environ={})
+
+
 # -- several models (issue 39) -------------------------------------------------------------------------------
 MODELS = """
 decoder_kv_blocks_ttl_s: 300
