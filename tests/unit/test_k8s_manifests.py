@@ -297,6 +297,8 @@ def url_problems(objs: list[Obj], urls: dict[str, list[str]]) -> list[str]:
             ports = [p for s in services for p in s["spec"]["ports"] if p["port"] == parts.port]
             if not pods or {component(p) for p in pods} != {role} or not ports:
                 out.append(f"{url}: no Service of the {role} pods on that port")
+            elif parts.scheme == "dns" and any(s["spec"].get("clusterIP") != "None" for s in services):
+                out.append(f"{url}: a Service with a cluster IP resolves to one address, not one per pod")
     return out
 
 
@@ -369,6 +371,8 @@ BREAKAGES = {
     "egress to the Internet": lambda o: _policy_peer(o, "redis")["to"].append({"ipBlock": {"cidr": "0.0.0.0/0"}}),
     "Service on a port the pods lack": lambda o: one(o, "Service", "pdgw-decode")["spec"]["ports"][0].update(
         targetPort=8100),
+    "D's Service not headless (one address for every pod)": lambda o: one(o, "Service", "pdgw-decode")["spec"]
+        .pop("clusterIP"),
     "Service selecting nothing": lambda o: one(o, "Service", "pdgw-prefill")["spec"]["selector"].update(
         {"app.kubernetes.io/component": "prefil"}),
     "engine port moved under the gateway's URL": lambda o: [
