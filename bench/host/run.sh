@@ -7,6 +7,8 @@
 #   the host:  bash bench/host/run.sh [compare.py flags]    # with bench/host/wheels carried; default --quick
 #              bash bench/host/run.sh pressure [flags]      # bench/pressure.py instead (default --quick), ~6 min:
 #                 PRESSURE-host.md and its figures' JSON; here `python bench/pressure.py --plot-from X.json` draws
+#              bash bench/host/run.sh scaleout [flags]      # bench/scaleout.py --pin: 1-8 workers and vllm-router,
+#                 ~4 min; scaleout.log
 #              bash bench/host/run.sh profile [LOAD ...]    # bench/profile.py (py-spy) per load, ~1.5 min each:
 #                 profile-LOAD.raw and .md; default every load (chat sessionless stream history)
 # It installs the wheels into $SITE (no index, no dependency resolution: the list is wheels.sh's), unpacks
@@ -58,6 +60,15 @@ if [ "${1:-}" = profile ]; then
     (cd "$ROOT" && "$PY" bench/profile.py --load "$load" --out "$OUT" --top 80 > "$OUT/profile-$load.md" 2>&1) || rc=1
     head -3 "$OUT/profile-$load.md"
   done
+  exit $rc
+fi
+if [ "${1:-}" = scaleout ]; then
+  shift
+  say "scaleout.py --pin $*"
+  cd "$ROOT" && "$PY" bench/scaleout.py --pin "$@" > "$OUT/scaleout.log" 2>&1
+  rc=$?
+  say "scaleout.py exited $rc"
+  tail -14 "$OUT/scaleout.log"
   exit $rc
 fi
 if [ "${1:-}" = pressure ]; then
