@@ -107,6 +107,8 @@ class Supervisor:
                     conn.recv()
                 except EOFError:
                     process = self._workers[index]
+                    if process is not None:
+                        process.join(5)             # its pipe closed as it died: its exit code follows
                     code = process.exitcode if process else None
                     raise SystemExit(f"pd-gateway serve: worker {index} failed at start-up (exit code {code}; "
                                      "its log is above)") from None
