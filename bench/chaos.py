@@ -3,12 +3,16 @@ concurrent multi-turn conversations, while engines of each role are killed and r
 clients disconnect mid-stream, turns of one session race, an engine turns slow past its deadline, and bad
 input keeps coming. Then the simulators' oracle and the clients' own records are checked.
 
-    python bench/chaos.py [--quick] [--kv-events] [--models 2]
+    python bench/chaos.py [--quick] [--kv-events] [--models 2] [--redis cluster] [--clients N]
 
 --kv-events: every engine publishes its KV events through a relay that drops, delays and reorders them
 (bench/event_relay.py), and the gateways plan from them (issue 36): still 0 corrupt.
 --models 2: two models behind the gateways (issue 39: a settings file's `models`), `demo` on P0 and D0 and
 `demo-b` on P1 and D1, each conversation with one of them: still 0 corrupt, no conversation crossing over.
+--redis cluster: the store a Redis Cluster of three masters with a replica each; a gateway replica killed
+mid-stream and restarted, and a master's crash failed over, take the place of Redis' restart (issue 40,
+bench/chaos_cluster.py): still 0 corrupt, reuse after each fault, every D's pin-budget shares summing to its
+budget. Its findings are the line before the last (`cluster: interrupted=N ... shares_end=ok`).
 
 Last line: chaos: turns=N corrupt=0 hung=0 leaked_pins=0 bad_input_5xx=0 non_openai_errors=0 reuse_rate=R
 Above it, one line per fallback reason of the later turns that did not reuse (`fallback REASON: N`), most first.
@@ -25,8 +29,6 @@ import sys
 import tempfile
 import time
 import uuid
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -35,8 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zmq.asyncio  # noqa: E402
 
+from bench import chaos_cluster  # noqa: E402
+from bench.chaos_client import HUNG_S, MODELS, Tally, check_error, turn  # noqa: E402
+from bench.chaos_cluster import ClusterFindings  # noqa: E402
 from bench.event_relay import EventRelay  # noqa: E402
+from gateway.config import DEFAULT_DECODE_PIN_BUDGET  # noqa: E402
 from gateway.processes import Server, start  # noqa: E402
+from tests.redis_cluster import RedisCluster  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
 TTL_S = 8                      # D pins and P leases are short so that leaks would show within the run
@@ -45,11 +52,9 @@ GATEWAY_FLAGS = ["--prefill-timeout-s", "4", "--prefill-handle-timeout-s", "3", 
                  "1.5", "--max-retries", "2", "--decoder-kv-blocks-ttl-s", str(TTL_S), "--handle-ttl-margin-s",
                  "3", "--health-interval-s", "0.5", "--log-level", "warning", "--reuse-policy", "always",
                  "--decode-kv-lease-s", str(D_LEASE_S)]
-MODELS = ("demo", "demo-b")     # --models 2: engine pair 0 serves the first, pair 1 the second
 SIM_FLAGS = ["--output-tokens", "70:110", "--kv-lease-duration", str(TTL_S), "--decoder-kv-blocks-ttl",
              str(TTL_S), "--log-level", "warning"]
 RECENT: list[str] = []         # session ids of recent conversations (--models 2 gives some to another model too)
-HUNG_S = 30.0                  # a turn lasting longer is hung: every deadline above sums to well under it
 WORDS = "cache block token engine stream prefix decode prefill lease handle answer model river orbit".split()
 BAD_INPUTS = [b"{nope", b"[]", b'{"model":"demo"}', b'{"messages":"x"}', b'{"messages":[{"role":1}]}',
               b'{"model":"demo","messages":[{"role":"user","content":"x"}],"n":4}',
@@ -57,37 +62,28 @@ BAD_INPUTS = [b"{nope", b"[]", b'{"model":"demo"}', b'{"messages":"x"}', b'{"mes
               b'{"model":"demo","messages":[{"role":"user","content":"x"}],"max_tokens":-3}']
 
 
-@dataclass
-class Tally:
-    turns: int = 0
-    later_turns: int = 0           # answered turns after a conversation's first (reuse_rate's denominator)
-    later_attempts: int = 0        # the same, answered or not: under load many fail and are not in reuse_rate
-    reused: int = 0
-    hung: int = 0
-    failed: int = 0
-    non_openai_errors: int = 0
-    bad_input_5xx: int = 0
-    disconnects: int = 0
-    corrupt: int = 0
-    leaked_pins: int = 0
-    notes: list[str] = field(default_factory=list)
-    errors: Counter = field(default_factory=Counter)
-    fallbacks: Counter = field(default_factory=Counter)     # X-PD-Reason of later turns planned `full`
-    seconds: list[float] = field(default_factory=list)      # completed turns' durations
-    timeline: Counter = field(default_factory=Counter)
-    began: float = field(default_factory=time.monotonic)
-
-
 class Fleet:
-    def __init__(self, replicas: int, relays: dict[str, EventRelay] | None = None, models: int = 1) -> None:
+    def __init__(self, replicas: int, relays: dict[str, EventRelay] | None = None, models: int = 1,
+                 cluster: bool = False) -> None:
         self.relays = relays or {}
         self.models = MODELS[:models]          # engine pair i serves models[i % len(models)]
-        self.redis = RedisServer().start()
+        self.redis = RedisCluster(masters=3, replicas=1).start() if cluster else RedisServer().start()
         self.dead_stats: list[dict] = []
         self.prefill = [self._sim("prefill", f"p{i}") for i in range(2)]
         self.decode = [self._sim("decode", f"d{i}") for i in range(2)]
-        self.gateways = [start(["serve", *self._engines(), "--redis-url", self.redis.url, *GATEWAY_FLAGS])
-                         for _ in range(replicas)]
+        self.killed: dict[str, float] = {}     # gateway replicas' URLs: when last killed
+        self.down: set[str] = set()            # ... those down now
+        self.findings = ClusterFindings()
+        self.gateways = [self.gateway() for _ in range(replicas)]
+
+    def gateway(self, port: int = 0) -> Server:
+        return start(["serve", *self._engines(), "--redis-url", self.redis.url, "--admin-key",
+                      chaos_cluster.ADMIN_KEY, *GATEWAY_FLAGS], port=port)
+
+    @property
+    def pin_budget(self) -> float:
+        given = "--decode-pin-budget" in GATEWAY_FLAGS
+        return float(GATEWAY_FLAGS[GATEWAY_FLAGS.index("--decode-pin-budget") + 1]) if given else DEFAULT_DECODE_PIN_BUDGET
 
     def _events(self, pair: int) -> list[str]:
         """The KV-event subscriptions of engine pair `pair` (P, D), where they publish through a relay."""
@@ -146,89 +142,10 @@ async def set_timing(server: Server, **timing: float) -> None:
         resp.raise_for_status()
 
 
-def openai_error(payload: object) -> bool:
-    error = payload.get("error") if isinstance(payload, dict) else None
-    return isinstance(error, dict) and {"message", "type", "param", "code"} <= set(error)
-
-
-async def turn(http: aiohttp.ClientSession, fleet: Fleet, session: str, messages: list[dict], tally: Tally,
-               *, disconnect: bool = False, model: str = MODELS[0]) -> str | None:
-    """One turn through a random replica; returns the answer, or None when the turn did not complete."""
-    stream = disconnect or random.random() < 0.5
-    body = {"model": model, "messages": messages, "max_tokens": 120, "stream": stream}
-    url = random.choice(fleet.gateways).url + "/v1/chat/completions"
-    began = time.monotonic()
-    try:
-        async with http.post(url, json=body, headers={"X-Session-Id": session}) as resp:
-            answer = await (_read_stream(resp, tally, disconnect) if stream else _read_json(resp, tally))
-            plan, reason = resp.headers.get("X-PD-Plan"), resp.headers.get("X-PD-Reason")
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        tally.non_openai_errors += 1
-        tally.notes.append(f"transport: {exc!r}")
-        answer, plan, reason = None, None, None
-    if time.monotonic() - began > HUNG_S:
-        tally.hung += 1
-    tally.turns += 1
-    tally.later_attempts += len(messages) > 1
-    if answer is not None:
-        tally.seconds.append(time.monotonic() - began)
-    if len(messages) > 1 and answer is not None:
-        tally.later_turns += 1
-        tally.reused += plan in ("reuse", "partial", "local")
-        if plan not in ("reuse", "partial", "local"):
-            tally.fallbacks[reason or "?"] += 1
-    return answer
-
-
-async def _read_json(resp: aiohttp.ClientResponse, tally: Tally) -> str | None:
-    payload = await resp.json(content_type=None)
-    if resp.status == 200:
-        return payload["choices"][0]["message"]["content"]
-    tally.failed += 1
-    _check_error(payload, tally, f"HTTP {resp.status}")
-    return None
-
-
-def _check_error(payload: object, tally: Tally, where: str) -> None:
-    if openai_error(payload):
-        tally.errors[f"{where} {payload['error']['code']}"] += 1
-        tally.timeline[(int(time.monotonic() - tally.began) // 5 * 5, str(payload["error"]["code"]))] += 1
-    else:
-        tally.non_openai_errors += 1
-        tally.notes.append(f"{where}: not an OpenAI error: {str(payload)[:200]}")
-
-
-async def _read_stream(resp: aiohttp.ClientResponse, tally: Tally, disconnect: bool) -> str | None:
-    if resp.status != 200:
-        return await _read_json(resp, tally)
-    text, done = [], False
-    async for line in resp.content:
-        if disconnect:
-            tally.disconnects += 1
-            return None                     # leaving the `async with` closes the connection mid-stream
-        if not line.startswith(b"data: "):
-            continue
-        if line.strip() == b"data: [DONE]":
-            done = True
-            break
-        chunk = json.loads(line[6:])
-        if "error" in chunk:
-            tally.failed += 1
-            _check_error(chunk, tally, "SSE event")
-            return None
-        if chunk.get("choices"):
-            text.append(chunk["choices"][0]["delta"].get("content") or "")
-    if not done:                            # the stream ended without [DONE] and without an error event
-        tally.non_openai_errors += 1
-        tally.notes.append(f"stream cut without an error event after {len(text)} chunks")
-        return None
-    return "".join(text)
-
-
 async def conversations(http: aiohttp.ClientSession, fleet: Fleet, turns: int, tally: Tally,
-                        until: float) -> None:
-    """One client: conversation after conversation of `turns` turns, until the deadline."""
-    while time.monotonic() < until:
+                        stop: asyncio.Event) -> None:
+    """One client: conversation after conversation of `turns` turns, until told to stop."""
+    while not stop.is_set():
         await conversation(http, fleet, turns, tally)
 
 
@@ -256,14 +173,17 @@ async def conversation(http: aiohttp.ClientSession, fleet: Fleet, turns: int, ta
 
 async def bad_input(http: aiohttp.ClientSession, fleet: Fleet, tally: Tally, stop: asyncio.Event) -> None:
     while not stop.is_set():
-        url = random.choice(fleet.gateways).url + "/v1/chat/completions"
+        replica, began = random.choice([g.url for g in fleet.gateways if g.url not in fleet.down]), time.monotonic()
         try:
-            async with http.post(url, data=random.choice(BAD_INPUTS),
+            async with http.post(replica + "/v1/chat/completions", data=random.choice(BAD_INPUTS),
                                  headers={"Content-Type": "application/json"}) as resp:
                 payload = await resp.json(content_type=None)
                 tally.bad_input_5xx += resp.status >= 500
-                _check_error(payload, tally, f"bad input HTTP {resp.status}")
+                check_error(payload, tally, f"bad input HTTP {resp.status}")
         except aiohttp.ClientError as exc:
+            if chaos_cluster.cut(fleet, replica, began):
+                tally.interrupted += 1
+                continue
             tally.non_openai_errors += 1
             tally.notes.append(f"bad input transport: {exc!r}")
         await asyncio.sleep(0.05)
@@ -277,12 +197,21 @@ FAULTS = [
 ]
 
 
-async def faults(fleet: Fleet, period: float, log: list[str]) -> None:
-    began = time.monotonic()
-    for name, action in FAULTS:
+def schedule(cluster: bool) -> list:
+    """On Redis Cluster a replica's kill and a master's failover take the place of the one Redis' restart."""
+    if not cluster:
+        return FAULTS
+    kill, failover = chaos_cluster.faults()
+    return [FAULTS[0], kill, FAULTS[2], failover, FAULTS[3]]
+
+
+async def faults(fleet: Fleet, period: float, log: list[str], tally: Tally, plan: list) -> None:
+    for name, action in plan:
         await asyncio.sleep(period)
-        log.append(f"{time.strftime('%H:%M:%S')} +{time.monotonic() - began:.0f}s {name}")
+        at = time.monotonic() - tally.began
+        log.append(f"{time.strftime('%H:%M:%S')} +{at:.0f}s {name}")
         await action(fleet, period)
+        tally.fault_times.append((name, at, time.monotonic() - tally.began))
 
 
 async def slow(server: Server, seconds: float) -> None:
@@ -309,33 +238,39 @@ async def settle(fleet: Fleet, tally: Tally) -> None:
 
 
 async def run(clients: int, turns: int, fault_period: float, replicas: int, kv_events: bool = False,
-              models: int = 1) -> Tally:
+              models: int = 1, cluster: bool = False) -> Tally:
     ctx = zmq.asyncio.Context()
     relays = {name: EventRelay(ctx, rng=random.Random(i)) for i, name in enumerate(("p0", "p1", "d0", "d1"))} \
         if kv_events else {}
     for relay in relays.values():
         relay.start()
-    fleet = await asyncio.to_thread(Fleet, replicas, relays, models)
-    tally, fault_log, stop = Tally(), [], asyncio.Event()
+    fleet = await asyncio.to_thread(Fleet, replicas, relays, models, cluster)
+    tally, fault_log, stop, plan = Tally(), [], asyncio.Event(), schedule(cluster)
     try:
         timeout = aiohttp.ClientTimeout(total=HUNG_S + 30)
         async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
             noise = asyncio.create_task(bad_input(http, fleet, tally, stop))
             began = tally.began = time.monotonic()
-            chaos = asyncio.create_task(faults(fleet, fault_period, fault_log))
-            until = began + fault_period * (len(FAULTS) + 2)    # load before, during and after every fault
-            await asyncio.gather(*(conversations(http, fleet, turns, tally, until) for _ in range(clients)))
+            chaos = asyncio.create_task(faults(fleet, fault_period, fault_log, tally, plan))
+            load = asyncio.gather(*(conversations(http, fleet, turns, tally, stop) for _ in range(clients)))
             await chaos
+            await asyncio.sleep(fault_period)                   # load before, during and after every fault
             stop.set()
+            await load
             await noise
             elapsed = time.monotonic() - began
         await settle(fleet, tally)
+        if cluster:
+            await chaos_cluster.check(fleet, tally, fault_period)
+            tally.cluster = fleet.findings.line(tally.interrupted)
     finally:
         fleet.stop()
         for relay in relays.values():
             await relay.stop()
         ctx.term()
     print("\n".join(fault_log))
+    for line in fleet.findings.trace:
+        print("pin shares settling:", line)
     if relays:
         print("kv events:", {name: relay.counts for name, relay in relays.items()})
     print(f"load: {tally.turns} turns in {elapsed:.1f}s, {tally.failed} failed with an OpenAI error, "
@@ -360,16 +295,22 @@ def main() -> None:
     parser.add_argument("--models", type=int, choices=(1, 2), default=1,
                         help="2: two models behind the gateways, each on its own P and D")
     parser.add_argument("--pin-budget", help="the gateways' --decode-pin-budget (a small one makes them evict)")
+    parser.add_argument("--redis", choices=("single", "cluster"), default="single",
+                        help="cluster: the store a Redis Cluster (three masters, a replica each)")
+    parser.add_argument("--clients", type=int, help="concurrent clients (default: 150 quick, 300 else)")
     args = parser.parse_args()
     GATEWAY_FLAGS.extend(["--decode-pin-budget", args.pin_budget] if args.pin_budget else [])
     random.seed(args.seed)
     size = dict(clients=150, turns=4, fault_period=8.0, replicas=3) if args.quick else \
         dict(clients=300, turns=6, fault_period=20.0, replicas=3)
-    t = asyncio.run(run(**size, kv_events=args.kv_events, models=args.models))
+    size["clients"] = args.clients or size["clients"]
+    t = asyncio.run(run(**size, kv_events=args.kv_events, models=args.models, cluster=args.redis == "cluster"))
     reuse_rate = t.reused / t.later_turns if t.later_turns else 0.0
     print(f"later turns: {t.later_turns} answered of {t.later_attempts}; {t.reused} of them reused D's KV")
     for reason, count in t.fallbacks.most_common():
         print(f"fallback {reason}: {count} ({count / max(t.later_turns, 1):.0%} of later turns)")
+    if t.cluster:
+        print(t.cluster)
     print(f"chaos: turns={t.turns} corrupt={t.corrupt} hung={t.hung} leaked_pins={t.leaked_pins} "
           f"bad_input_5xx={t.bad_input_5xx} non_openai_errors={t.non_openai_errors} reuse_rate={reuse_rate:.2f}")
 

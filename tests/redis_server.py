@@ -9,6 +9,7 @@ ready when PING answers, stopped by PID, restartable on the same port for fault 
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -35,8 +36,9 @@ def redis_server_path() -> str:
 
 
 class RedisServer:
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, args: tuple[str, ...] = ()) -> None:
         self.port = port or free_port()
+        self.args = args            # more redis-server flags (a cluster node's)
         self.dir = Path(tempfile.mkdtemp(prefix="pdgw-redis-"))
         self.unix_socket = self.dir / "redis.sock"
         self.log_path = self.dir / "redis.log"
@@ -59,6 +61,7 @@ class RedisServer:
             redis_server_path(), "--port", str(self.port), "--bind", "127.0.0.1",
             "--unixsocket", str(self.unix_socket), "--unixsocketperm", "700",
             "--save", "", "--appendonly", "no", "--dir", str(self.dir), "--logfile", str(self.log_path),
+            *self.args,
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -71,15 +74,16 @@ class RedisServer:
         self.stop()
         raise TimeoutError(f"redis-server not answering PING after {START_TIMEOUT_S}s:\n{self.log()}")
 
-    def stop(self) -> None:
-        """Terminate our process by PID and wait for it, so the port is free when this returns."""
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Terminate our process by PID (SIGKILL: a crash) and wait for it, so the port is free when this returns."""
         if self.proc is None:
             return
-        stop_process(self.proc)
+        stop_process(self.proc, sig)
         self.proc = None
 
     def restart(self) -> RedisServer:
-        """Stop and start on the same port: data (and the script cache) are gone, clients must reconnect."""
+        """Stop and start on the same port: data (and the script cache) are gone, clients must reconnect (a
+        cluster node keeps its nodes.conf in `dir`, so it rejoins its cluster)."""
         self.stop()
         return self.start()
 

@@ -56,6 +56,8 @@ class EngineAdmin:
                                 "outstanding_prompt_tokens": e.outstanding_tokens, **e.facts.summary()}
         if e.role == "decode":
             seen["pinned_blocks"] = e.pinned_blocks
+            if self.pins is not None and (share := self.pins.share(e.facts.num_gpu_blocks)) is not None:
+                seen["pin_share"] = share
         if e.data_plane is not None:
             seen["data_plane"] = e.data_plane.summary()
         if self.pins is not None and (pins := self.pins.summaries.get(e.url)) is not None:

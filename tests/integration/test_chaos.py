@@ -27,3 +27,28 @@ def test_chaos_quick(flags):
     for key in ("corrupt", "hung", "leaked_pins", "bad_input_5xx", "non_openai_errors"):
         assert verdict[key] == "0", out.stdout[-3000:]
     assert int(verdict["turns"]) > 500 and float(verdict["reuse_rate"]) > 0.3
+
+
+def test_chaos_redis_cluster():
+    """On a Redis Cluster of three masters with a replica each (issue 40): a gateway replica killed mid-stream and
+    restarted on its port, its cut turns sent again to another replica; the gateways' seed master crashed and its
+    replica elected. Still nothing corrupt, nothing hung, no error outside OpenAI's shape; later turns reuse D's KV
+    after each fault, also on the replicas that survived the kill; every D's pin-budget shares, one per replica,
+    sum to D's budget once the restarted replica beats, and at the end. Small (80 clients): about 2 minutes."""
+    out = subprocess.run([sys.executable, str(CHAOS), "--quick", "--redis", "cluster", "--clients", "80"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    *_, findings, last = out.stdout.strip().splitlines()
+    verdict = dict(re.findall(r"(\w+)=([\w.]+)", last))
+    assert last.startswith("chaos: "), last
+    for key in ("corrupt", "hung", "leaked_pins", "bad_input_5xx", "non_openai_errors"):
+        assert verdict[key] == "0", out.stdout[-3000:]
+    assert int(verdict["turns"]) > 300 and float(verdict["reuse_rate"]) > 0.3, last
+    cluster = dict(re.findall(r"(\w+)=([\w.]+)", findings))
+    assert findings.startswith("cluster: "), findings
+    assert int(cluster["interrupted"]) > 0, findings          # the kill did cut turns in flight
+    for key in ("replica_down_s", "failover_s", "shares_settled_s"):
+        assert cluster[key] != "none", findings                # back, elected, settled
+    for key in ("reuse_after_replica_kill", "survivors_reuse_after_replica_kill", "reuse_after_failover"):
+        assert cluster[key] != "none" and float(cluster[key]) > 0.3, findings
+    assert cluster["shares_end"] == "ok", findings + "\n" + out.stdout[-3000:]

@@ -15,19 +15,13 @@ import pytest
 import redis
 
 from gateway.store import Conversation, ConversationKey, RedisConversationStore, StoredResponse, StoreUnavailableError
+from tests.redis_cluster import RedisCluster
 from tests.redis_server import redis_server_path
 from tests.servers import free_port, stop_process
 
 pytestmark = pytest.mark.integration
 HANDLE = {"remote_block_ids": [[1, 2, 3]], "remote_num_tokens": 40}
 HELD = Conversation(model="m", block_size=4, held_tokens=8, block_hashes=b"\x01" * 16 + b"\x02" * 16)
-
-
-def cluster_port() -> int:
-    """A free port whose cluster bus port (port + 10000) is a valid port too."""
-    while (port := free_port()) > 55000:
-        pass
-    return port
 
 
 @contextmanager
@@ -54,12 +48,6 @@ def _pings(port: int) -> bool:
         return redis.Redis(port=port, socket_timeout=0.5).ping()
     except redis.RedisError:
         return False
-
-
-def _cluster_ok(port: int) -> bool:
-    """This node sees the cluster up and all three masters' slots (gossip reaches nodes at different times)."""
-    info = redis.Redis(port=port).cluster("info")
-    return info["cluster_state"] == "ok" and int(info["cluster_known_nodes"]) == 3 and int(info["cluster_size"]) == 3
 
 
 def wait_for(condition, timeout_s: float = 20.0) -> None:
@@ -103,14 +91,8 @@ def test_sentinel_follows_a_failover():
 
 
 def test_cluster_serves_the_store():
-    with ExitStack() as stack:
-        ports = [stack.enter_context(redis_process("--cluster-enabled", "yes", "--cluster-config-file",
-                                                   f"nodes-{i}.conf", port=cluster_port())) for i in range(3)]
-        subprocess.run([str(Path(redis_server_path()).with_name("redis-cli")), "--cluster", "create",
-                        *[f"127.0.0.1:{p}" for p in ports], "--cluster-replicas", "0", "--cluster-yes"],
-                       check=True, capture_output=True, timeout=30)
-        wait_for(lambda: all(_cluster_ok(p) for p in ports))      # every master, not only the first, agrees
-        store = RedisConversationStore.from_url(f"redis+cluster://127.0.0.1:{ports[0]}")
+    with RedisCluster(masters=3) as cluster:
+        store = RedisConversationStore.from_url(cluster.url)
 
         async def scenario() -> None:
             for i in range(12):                                         # keys spread over the three masters
@@ -127,6 +109,49 @@ def test_cluster_serves_the_store():
                 await store.put_response(f"t{i}", f"resp_{i}", response)
                 assert await store.get_response(f"t{i}", f"resp_{i}") == response
                 assert (await store.get_response(f"t{i}", f"resp_{i}", bulk=False)).ids == b""
+            await store.close()
+
+        asyncio.run(scenario())
+
+
+def test_cluster_follows_a_failover():
+    """A master crashes while turns run and its replica is elected: meanwhile the store's calls fail with
+    StoreUnavailableError (never retried), and once elected they serve again on every master's keys, the client
+    having found the new slot map, before the old master is back (and again after it rejoined)."""
+    with RedisCluster(masters=3, replicas=1) as cluster:
+        store = RedisConversationStore.from_url(cluster.url)       # its seed is the master that dies
+        faults: list[str] = []
+
+        async def traffic(stop: asyncio.Event) -> None:
+            while not stop.is_set():
+                try:
+                    await one_turn(store, "busy", tenant="t0")
+                except StoreUnavailableError as exc:
+                    faults.append(str(exc))
+                await asyncio.sleep(0.01)
+
+        async def served(session: str, tenant: str) -> bool:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                with contextlib.suppress(StoreUnavailableError):
+                    return await one_turn(store, session, tenant=tenant)
+                await asyncio.sleep(0.1)
+            return False
+
+        async def scenario() -> None:
+            for i in range(12):                                      # keys on every master
+                assert await one_turn(store, f"s{i}", tenant=f"t{i}")
+            stop = asyncio.Event()
+            running = asyncio.create_task(traffic(stop))
+            await asyncio.to_thread(cluster.fail_over, cluster.nodes[0])
+            for i in range(12):
+                assert await served(f"s{i}", f"t{i}"), f"t{i} not served after the failover"
+            await asyncio.to_thread(cluster.rejoin, cluster.nodes[0])
+            for i in range(12):
+                assert await served(f"s{i}", f"t{i}"), f"t{i} not served after the old master rejoined"
+            stop.set()
+            await running
+            assert faults, "the crash went unnoticed: the test did not exercise the failover"
             await store.close()
 
         asyncio.run(scenario())

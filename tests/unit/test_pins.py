@@ -191,3 +191,19 @@ async def test_replicas_on_one_store_share_d_s_budget():
     assert await b.beat(10.5) == 2 and two.budget_blocks(100) == 25
     assert await a.beat(11.0) == 2 and one.budget_blocks(100) == 25
     assert await a.beat(11.0 + ALIVE_BEATS + 0.1) == 1 and one.budget_blocks(100) == 50   # b stopped beating
+
+
+async def test_admin_engines_shows_each_d_s_pin_share_as_of_the_last_beat():
+    """`/admin/engines`' `pin_share`: the replicas this one last counted and its share of D's budget, read now
+    (before any handle is stored, and after the count changed with no turn since)."""
+    from gateway.turns.admin_actions import EngineAdmin
+    from gateway.turns.state.replicas import ReplicaShare
+    state, _, _ = make_state(capacity=100)
+    admin = EngineAdmin(EnginePool("prefill", ["http://p0"]), state.decode_pool, None, state.pins)  # type: ignore[arg-type]
+    [d] = [e for e in admin.describe() if e["role"] == "decode"]
+    assert d["pin_share"] == {"replicas": 1, "budget_blocks": 50}
+    store = MemoryConversationStore()
+    await ReplicaShare(store, PinBudget(0.5, BS), 1.0, "other").beat(10.0)
+    await ReplicaShare(store, state.pins.pins.budget, 1.0, "this").beat(10.0)
+    [d] = [e for e in admin.describe() if e["role"] == "decode"]
+    assert d["pin_share"] == {"replicas": 2, "budget_blocks": 25}

@@ -106,6 +106,14 @@ class Pinning:
             self.summaries[engine] = {**d.summary(), "budget_blocks": budget, "configured_budget_blocks": configured,
                                       "policy": "adaptive" if earnings.adaptive else "lru"}
 
+    def share(self, num_gpu_blocks: int | None) -> dict[str, Any] | None:
+        """This replica's share of a D's configured budget as of its last heartbeat (replicas.py): the replicas
+        alive and D's budget over them. Read now, unlike `summaries`, which a stored handle refreshes."""
+        if self.pins is None:
+            return None
+        budget = self.pins.budget
+        return {"replicas": budget.replicas, "budget_blocks": budget.budget_blocks(num_gpu_blocks)}
+
     def _release_evicted(self, handle: kv.Handle, engine: str) -> None:
         self.releaser.release(handle, EVICTED)
         self.metrics.handles_evicted.labels(self.metrics.engine_label(engine)).inc()
