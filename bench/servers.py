@@ -114,8 +114,8 @@ class Servers(contextlib.ExitStack):
         args = [exe, *mode, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
                 "--max-concurrent-requests", "4096", "--disable-retries", "--prometheus-host", "127.0.0.1",
                 "--prometheus-port", str(free_port())]
-        server = _spawn(args, port=port, cpus=self._cpus("vllm-router"))
-        self.callback(server.stop)
+        server = _spawn(args, port=port, cpus=self._cpus("vllm-router"), own_group=True)
+        self.callback(_stop_group, server)
         return server
 
     def redis(self) -> RedisServer:
@@ -140,8 +140,17 @@ def _pin(cpus: set[int] | None):
     return (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
 
 
+def _stop_group(server: Server) -> None:
+    """Stop a server and what it started: vllm-router's workers outlived the router otherwise (parent 1)."""
+    server.stop()
+    try:
+        os.killpg(server.proc.pid, signal.SIGKILL)      # the group the server leads (own_group)
+    except ProcessLookupError:
+        pass
+
+
 def _spawn(args: list[str], *, port_flag: bool = False, port: int | None = None,
-           cpus: set[int] | None = None) -> Server:
+           cpus: set[int] | None = None, own_group: bool = False) -> Server:
     tmp = Path(tempfile.mkdtemp(prefix="pdgw-bench-"))
     if port_flag:
         args = [*args, "--port", "0", "--port-file", str(tmp / "port")]
@@ -149,7 +158,7 @@ def _spawn(args: list[str], *, port_flag: bool = False, port: int | None = None,
         (tmp / "port").write_text(str(port))
     log = open(tmp / "log", "wb")
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"},
-                            preexec_fn=_pin(cpus))
+                            preexec_fn=_pin(cpus), start_new_session=own_group)
     return _await(proc, tmp / "port", tmp / "log", args)
 
 
