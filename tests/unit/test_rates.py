@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.turns.reuse.cost import PairCosts
-from gateway.turns.reuse.rates import MIN_READ_TOKENS, PrefillTiming, Rates, split
+from gateway.turns.reuse.cost import PairCosts, Path, TurnShape, choose_path
+from gateway.turns.reuse.rates import (MIN_READ_TOKENS, UNTRIED_HALF_LIFE_S, DecodeTiming, Mean, PrefillTiming, Rates,
+                                       split)
 
 P, P2, D = "http://p", "http://p2", "http://d"
 
@@ -97,3 +98,30 @@ def test_a_leg_expected_warm_that_took_a_read_marks_p_cold_and_times_the_read():
     fresh.observe(leg(0.1))
     fresh.observe(leg(0.012, handle=900, cached=None, expected=900))
     assert fresh.costs(P, D).transfer_tokens_per_s is None and fresh.warm_tokens(P, P, 900) == 900
+
+
+def test_a_local_path_learned_under_overload_is_tried_again_once_untried():
+    """The H200's lock-in: local legs timed while D queued behind 128 streams made the P path look faster, every
+    later turn took it, and nothing re-learned the local leg. Aged, the local path wins again."""
+    rates = Rates(weight=1.0)
+    rates.observe(leg(0.02))                                         # P: 50,000 tokens/s
+    rates.observe_decode(DecodeTiming(D, True, 100, 1.002, at=100.0), rates.any_prefill_rate())   # queued: 1 s
+    rates.observe_decode(DecodeTiming(D, False, 0, 0.09, at=160.0), None)      # the P path's hand-over: 90 ms
+    shape = TurnShape(prompt_tokens=3000, reusable_tokens=2900, local_hit_tokens=2900, p_cached_tokens=2900,
+                      local_allowed=True)
+
+    def path(now: float) -> Path:
+        return choose_path(rates.path_costs(P, D, p_queued_tokens=0, p_waiting=0, now=now), shape).path
+
+    assert path(100.0) is Path.READ                                  # right after the overload: P is faster
+    assert path(100.0 + 6 * UNTRIED_HALF_LIFE_S) is Path.LOCAL       # untried since: tried again
+    assert rates.path_costs(P, D, p_queued_tokens=0, p_waiting=0, now=160.0).handover_s == pytest.approx(0.09)
+    rates.observe_decode(DecodeTiming(D, True, 100, 1.002, at=170.0), rates.any_prefill_rate())   # still slow
+    assert path(170.0) is Path.READ                                  # re-learned: back to P
+
+
+def test_a_mean_halves_for_each_half_life_unfed():
+    mean = Mean(weight=0.5)
+    mean.observe(0.2, at=10.0)
+    assert mean.aged(10.0) == pytest.approx(0.2)
+    assert mean.aged(10.0 + UNTRIED_HALF_LIFE_S) == pytest.approx(0.1)

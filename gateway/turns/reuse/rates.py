@@ -27,6 +27,7 @@ from gateway.turns.reuse.cost import PairCosts, PathCosts, Rate
 # vLLM's connector skips a read of fewer tokens than its recompute threshold (64 by default with bidirectional
 # transfer) and computes them instead: such a leg says nothing about the transfer rate.
 MIN_READ_TOKENS = 64
+UNTRIED_HALF_LIFE_S = 10.0   # a path's learned time halves for every this long no turn took it (Mean.aged)
 _READ_SEEN_S = 0.005    # beyond twice the expected compute time, this much more means a read happened
 _SHORTEST_S = 1e-4      # a read hidden in the timing noise: "very fast", not "unknown"
 
@@ -48,6 +49,7 @@ class DecodeTiming:
     local: bool
     computed: int
     seconds: float
+    at: float = 0.0              # when it was timed (monotonic seconds)
 
 
 @dataclass(frozen=True)
@@ -107,15 +109,18 @@ class Rates:
         """A streamed D leg's first token: the hand-over of the P path, or the fixed part of a local leg (what
         is left after computing its tokens at P's rate: the same model on the same kind of engine)."""
         if not leg.local:
-            self._mean(self._handover, leg.decode).observe(leg.seconds)
+            self._mean(self._handover, leg.decode).observe(leg.seconds, leg.at)
         elif prefill_rate:
-            self._mean(self._local_fixed, leg.decode).observe(max(0.0, leg.seconds - leg.computed / prefill_rate))
+            self._mean(self._local_fixed, leg.decode).observe(max(0.0, leg.seconds - leg.computed / prefill_rate),
+                                                              leg.at)
 
-    def path_costs(self, prefill: str, holder: str, *, p_queued_tokens: int, p_waiting: int) -> PathCosts:
-        """What the three-path choice weighs for this P and the holder D (cost.choose_path)."""
+    def path_costs(self, prefill: str, holder: str, *, p_queued_tokens: int, p_waiting: int,
+                   now: float = 0.0) -> PathCosts:
+        """What the three-path choice weighs for this P and the holder D (cost.choose_path), each path's time as
+        of `now`: one not taken lately is aged (`Mean.aged`), so that it is tried again."""
         handover, fixed = self._handover.get(holder), self._local_fixed.get(holder)
-        return PathCosts(self.costs(prefill, holder), handover_s=handover.value if handover else None,
-                         local_fixed_s=fixed.value if fixed else 0.0, p_queued_tokens=p_queued_tokens,
+        return PathCosts(self.costs(prefill, holder), handover_s=handover.aged(now) if handover else None,
+                         local_fixed_s=fixed.aged(now) if fixed else 0.0, p_queued_tokens=p_queued_tokens,
                          p_waiting=p_waiting)
 
     def calibrate(self, prefill: str, holder: str, sample: ProbeSample) -> None:
@@ -191,12 +196,22 @@ class Rates:
 
 
 class Mean:
-    """An exponentially weighted mean of seconds."""
+    """An exponentially weighted mean of seconds, and when it was last fed."""
 
     def __init__(self, weight: float) -> None:
         self.weight, self.value = weight, 0.0
         self._seen = False
+        self.at = 0.0
 
-    def observe(self, seconds: float) -> None:
+    def observe(self, seconds: float, at: float = 0.0) -> None:
         self.value = seconds if not self._seen else self.value + self.weight * (seconds - self.value)
         self._seen = True
+        self.at = max(self.at, at)
+
+    def aged(self, now: float, half_life_s: float = UNTRIED_HALF_LIFE_S) -> float:
+        """The mean, halved for every `half_life_s` since it was last fed. A path's time is learned only from
+        turns that take it: one learned while D was overloaded (its local legs queued behind 128 streams) would
+        keep every later turn on the other path after the load was gone, and nothing would correct it (the
+        H200, chat at 128 then 8 at once: 79 turns `p_path_faster` in a row at 2.6x the co-located engine's
+        TTFT). Aged, an untried path is tried again within a few half-lives, and its next turn re-learns it."""
+        return self.value * 0.5 ** (max(0.0, now - self.at) / half_life_s)

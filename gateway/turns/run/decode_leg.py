@@ -147,7 +147,8 @@ class DecodeLeg:
         prefill_rate = self.rates.prefill_rate(turn.prefill.url) if turn.prefill else None
         if turn.plan.local:
             prefill_rate = self.rates.any_prefill_rate()
-        self.rates.observe_decode(DecodeTiming(turn.decode.url, turn.plan.local, computed, seconds), prefill_rate)
+        self.rates.observe_decode(DecodeTiming(turn.decode.url, turn.plan.local, computed, seconds, time.monotonic()),
+                                  prefill_rate)
 
 
 def _prefilled(turn: Turn) -> None:

@@ -41,7 +41,7 @@ class PathChoice:
         prefill = self.pick(turn, "prefill")
         shape = self.p_cached(shape, prefill, record)
         costs = self.rates.path_costs(prefill.url, record.decode_engine, p_queued_tokens=prefill.outstanding_tokens,
-                                      p_waiting=prefill.outstanding_requests)
+                                      p_waiting=prefill.outstanding_requests, now=time.monotonic())
         turn.plan = plans.by_path(turn.plan, costs, shape)
         self._hold_back(turn)
         return None if turn.plan.local else prefill
