@@ -28,7 +28,7 @@
 #                            error handling (peer failures detected) and wire-up over TCP; no shim needed
 #   P_GPU D_GPU C_GPU  CUDA_VISIBLE_DEVICES of each engine (default 0: all on one GPU)
 #   BLOCK_SIZE (vLLM default: 16 on CUDA; larger blocks mean fewer, larger NIXL descriptors)
-#   KV_GIB (20), GPU_UTIL (0.25), MAX_LEN (36864), TTL_S (120: D's decoder_kv_blocks_ttl)
+#   KV_GIB (20), GPU_UTIL (each engine's KV + 10 GiB of the GPU), MAX_LEN (36864), TTL_S (120: D's decoder_kv_blocks_ttl)
 #   KV_MODE      pull (NixlConnector, bidirectional) or push (NixlPushConnector; the gateways find the mode)
 #   VLLM_PY / GW_PY   the Python of vLLM / of the gateway (python3); VLLM_PATH / GW_PATH: PYTHONPATH for each
 #   RUN (/tmp/pdgw-gpu)   logs and pid files
@@ -75,12 +75,22 @@ kv_config() {  # role engine_id; KV_MODE=push: vLLM's NixlPushConnector (P write
   printf '"decoder_kv_blocks_ttl":%s}}' "$TTL_S"
 }
 
+gpu_util() {  # kv_gib gpu: vLLM refuses to start unless the GPU's free memory is at least this share of it, and with
+  # --kv-cache-memory-bytes the share sizes nothing else: ask for what the engine takes (KV, weights, activations:
+  # KV + 10 GiB), so that one restarted beside the others starts (the H200's faults step, LOAD_ARMS=1: 0.25 asked
+  # 35 GiB with 27.5 free, and D did not come back)
+  local total_mib
+  total_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i "$2" 2>/dev/null | head -1)
+  [ -n "$total_mib" ] || { echo 0.25; return; }
+  python3 -c "import math; print(min(0.9, math.ceil(($1 + 10) * 1024 / $total_mib * 100) / 100))"
+}
+
 start_engine() {  # name gpu side_port role engine_id [kv_gib]
   local name=$1 port=${PORT[$1]} kv_gib=${6:-${KV_GIB:-20}}
   if curl -sf -m 2 "http://127.0.0.1:$port/health" > /dev/null; then echo "$name already up"; return; fi
   local cmd=("$VLLM_PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name pdgw-bench
              --host 127.0.0.1 --port "$port" --enforce-eager --max-model-len "${MAX_LEN:-36864}"
-             --gpu-memory-utilization "${GPU_UTIL:-0.25}" --kv-cache-memory-bytes $(( kv_gib << 30 ))
+             --gpu-memory-utilization "${GPU_UTIL:-$(gpu_util "$kv_gib" "$2")}" --kv-cache-memory-bytes $(( kv_gib << 30 ))
              --disable-uvicorn-access-log ${BLOCK_SIZE:+--block-size $BLOCK_SIZE})
   [ -n "$4" ] && cmd+=(--kv-transfer-config "$(kv_config "$4" "$5")")
   if [ -n "$4" ] && [ "${KV_EVENTS:-0}" = 1 ] && [ ! -f "$RUN/$name.no_events" ]; then

@@ -219,12 +219,13 @@ class Serving:
             total = len(run.answer.token_ids)
             async for token in self.engine.decode(run):
                 out.append(token)
+                offset = len(state.text)
                 delta = state.delta(token)
                 last = len(out) == total
                 handle = self.engine.finish(run) if last else None
                 if delta is None and not last and not call.wants_ids:
                     continue            # vLLM sends no chunk for a token without text: its logprobs are lost too
-                logprobs = self.logprobs(call, run, [token], len(out) - 1, len(self.renderer.decode(out[:-1])))
+                logprobs = self.logprobs(call, run, [token], len(out) - 1, offset)
                 yield frame.token_chunk(token, delta or {}, run if last else None, handle, len(out) == 1,
                                         state.finish_reason if last else None, logprobs)
             if not run.done:  # a stop string matched at once: nothing generated
@@ -246,6 +247,7 @@ class _Pieces:
                  final_ids: list[int] | None = None) -> None:
         self.serving, self.out = serving, out
         self.text = ""
+        self._prefix = self._read = 0    # vLLM's incremental detokenizer's offsets (see `_piece`)
         self.in_think = False
         self.tools = self._tool_stream(tools, final_ids or [])
         self.content_at = 0          # where the content (after any reasoning) starts in the text
@@ -263,9 +265,22 @@ class _Pieces:
             return None
         return "tool_calls"
 
+    def _piece(self) -> str:
+        """The text the newest token adds, as vLLM's incremental detokenizer finds it: the window from the token
+        before the last piece decoded with and without the new tokens (both start at the same token, so a
+        tokenizer's leading-space rule cancels out), nothing while the window ends in an incomplete character.
+        Decoding the whole answer each token cost O(n) per token: 0.2 ms a token at 1,000-token answers."""
+        decode = self.serving.renderer.decode
+        before, now = decode(self.out[self._prefix:self._read]), decode(self.out[self._prefix:])
+        if len(now) <= len(before) or now.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self.out)
+        return now[len(before):]
+
     def delta(self, token: int) -> dict[str, Any] | None:
-        text = self.serving.renderer.decode(self.out)
-        piece, self.text = text[len(self.text):], text
+        piece = self._piece()
+        self.text += piece
+        text = self.text
         reasoning = self.serving.settings.reasoning
         if reasoning and token in self.serving.think_ids:
             self.in_think = token == self.serving.think_ids[0]
