@@ -35,7 +35,7 @@ from bench.loadgen import arun  # noqa: E402
 from bench.servers import ProxyCpus, Servers, get_json  # noqa: E402
 from bench.streaming import STREAM_SIM, STREAM_TOKENS  # noqa: E402
 
-DECODE_SIMS = 4           # one D simulator streams about 60-80k tokens/s: several keep D off the critical path
+DECODE_SIMS = 4     # one D simulator streams a 1,000-token answer in about 20 ms: several keep D off the critical path
 
 
 def main() -> None:
