@@ -158,7 +158,7 @@ def serve(argv: list[str]) -> None:
         print(yaml.safe_dump(config.effective(settings), sort_keys=False), end="")
         return
     setup_logging(settings.log_level, settings.log_format)
-    app = _app(argv, settings, parser)
+    app = _app(argv, settings, parser)          # with workers, each builds its own: this one checks the settings
     from gateway.startup import transfer_preflight
     for setup in settings.deployment():         # each model's pools: a mixed one is one line, not a start
         if refusal := asyncio.run(transfer_preflight(setup.settings)).refusal:
