@@ -32,8 +32,8 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.loadgen import arun  # noqa: E402
-from bench.servers import ProxyCpus, Servers, get_json  # noqa: E402
-from bench.streaming import STREAM_SIM, STREAM_TOKENS  # noqa: E402
+from bench.servers import ProxyCpus, Servers  # noqa: E402
+from bench.streaming import STREAM_SIM, STREAM_TOKENS, generated  # noqa: E402
 
 DECODE_SIMS = 4     # one D simulator streams a 1,000-token answer in about 20 ms: several keep D off the critical path
 
@@ -129,7 +129,7 @@ def measure(url: str, pid: int, ds: list, args: argparse.Namespace, layout: Layo
 
 
 def _tokens(ds: list) -> int:
-    return sum(int(get_json(d.url + "/sim/stats").get("generation_tokens", 0)) for d in ds)
+    return sum(generated(d) for d in ds)
 
 
 def _cpu(pid: int) -> float:

@@ -41,14 +41,14 @@ def stream_cost(s: Servers, p, d, gw, conversations: int, turns: int, rounds: in
             target, server = setups[name]
             post(p.url + "/sim/reset")
             post(d.url + "/sim/reset")
-            before = _generated(d)
+            before = generated(d)
             meter, split = CpuMeter(server.proc.pid), UserSystemMeter(server.proc.pid)
             run = loadgen.arun(loadgen.run(target, replace(w, seed=round_), concurrency=conversations))
             cpu_ms, (user_s, system_s) = meter.seconds() * 1e3, split.seconds()
             total = totals[name]
             total["turns"] += len(run.ok)
             total["errors"] += run.errors
-            total["tokens"] += _generated(d) - before
+            total["tokens"] += generated(d) - before
             total["cpu_ms"] += cpu_ms
             total["user_ms"] += user_s * 1e3
             total["system_ms"] += system_s * 1e3
@@ -58,7 +58,8 @@ def stream_cost(s: Servers, p, d, gw, conversations: int, turns: int, rounds: in
                    "system_us_per_token": t["system_ms"] * 1e3 / max(1, t["tokens"])} for name, t in totals.items()}
 
 
-def _generated(d) -> int:
+def generated(d) -> int:
+    """Output tokens the simulator `d` has generated so far (its own count)."""
     return int(get_json(d.url + "/sim/stats").get("generation_tokens", 0))
 
 

@@ -178,7 +178,7 @@ def serve(argv: list[str]) -> None:
                          "what listens there (another gateway or scripts/demo?) or pass another --port") from None
 
 
-def serve_worker(argv: list[str], index: int, ports: Any, ready: Any) -> None:
+def serve_worker(argv: list[str], ports: Any, ready: Any) -> None:
     """One of `serve --workers N`'s processes (gateway/workers.py, which passes its `Ports` and the `Connection`
     it waits on): the same flags, the ports the supervisor holds, bound with SO_REUSEPORT."""
     from gateway.telemetry import setup_logging

@@ -40,9 +40,9 @@ class Ports:
     metrics: int | None
 
 
-# target(argv, index, ports, ready): parse the same flags, build the app, serve on `ports` with SO_REUSEPORT,
-# and send `ready` the port once the app serves (gateway/cli.py `serve_worker`)
-Target = Callable[[list[str], int, Ports, Connection], None]
+# target(argv, ports, ready): parse the same flags, build the app, serve on `ports` with SO_REUSEPORT, and send
+# `ready` the port once the app serves (gateway/cli.py `serve_worker`); its index is in its environment (WORKER_ENV)
+Target = Callable[[list[str], Ports, Connection], None]
 
 
 def run(target: Target, argv: list[str], count: int, host: str, ports: Ports,
@@ -91,7 +91,7 @@ class Supervisor:
     def _start(self, index: int) -> Connection:
         receive, send = self._context.Pipe(duplex=False)
         os.environ[WORKER_ENV] = str(index)
-        process = self._context.Process(target=self._target, args=(self._argv, index, self._ports, send),
+        process = self._context.Process(target=self._target, args=(self._argv, self._ports, send),
                                         name=f"pd-gateway worker {index}", daemon=False)
         process.start()
         send.close()
