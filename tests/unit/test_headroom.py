@@ -38,7 +38,27 @@ def test_for_decode_reads_the_engine_and_its_last_scrape():
     d.data_plane = DataPlane(requests_running=9.0, requests_waiting=0.0)
     room = for_decode(d, 8192, 20.0, RATE)
     assert (room.streams, room.in_flight, room.bound) == (9, 300, 700)
-    assert set(room.fields()) == {"local_bound", "d_streams", "d_waiting", "d_local_in_flight", "local_budget_tokens"}
+    assert set(room.fields()) == {"local_bound", "d_streams", "d_decoding", "d_waiting", "d_local_in_flight",
+                                  "local_budget_tokens"}
+
+
+def test_streams_still_waiting_for_their_first_token_slow_nothing():
+    """A burst of first turns: D runs 8 requests, none decoding yet, so a prefill costs no stream its ITL; the
+    path choice weighs D's local prefills in flight instead (cost.choose_path). One stream decoding: the budget."""
+    assert local_bound(8192, 0.02, RATE, streams=8, decoding=0, waiting=0, in_flight=9000).bound == 8192
+    assert local_bound(8192, 0.02, RATE, streams=8, decoding=1, waiting=0, in_flight=9000).bound == FLOOR_TOKENS
+
+
+def test_for_decode_counts_d_s_other_requests_as_decoding():
+    """This gateway's streams past their first token, and whatever D runs beyond this gateway's (another worker's
+    or replica's): nothing says those are not decoding."""
+    d = Engine("http://d", "decode", outstanding_requests=3, decoding_streams=1, local_prefill_tokens=2000)
+    assert for_decode(d, 8192, 20.0, RATE).decoding == 1
+    d.data_plane = DataPlane(requests_running=5.0, requests_waiting=0.0)
+    assert for_decode(d, 8192, 20.0, RATE).decoding == 3
+    d.decoding_streams = 0
+    d.data_plane = DataPlane(requests_running=3.0, requests_waiting=0.0)
+    assert for_decode(d, 8192, 20.0, RATE).bound == 8192
 
 
 def test_requests_waiting_for_p_s_kv_are_not_d_s_queue():

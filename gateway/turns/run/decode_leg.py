@@ -5,8 +5,9 @@ has received a byte."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Iterator
 from typing import Any
 
 import msgspec
@@ -14,6 +15,7 @@ import msgspec
 from gateway.config import Settings
 from gateway.engines import sse
 from gateway.engines.client import EngineClient, EngineStream
+from gateway.engines.engine import Engine
 from gateway.errors import GatewayError
 from gateway.telemetry import Metrics
 from gateway.turns.legs.calls import EngineCalls
@@ -50,7 +52,7 @@ class DecodeLeg:
         body["stream"] = False
         body.pop("stream_options", None)
         clock = turn.req.clock
-        with turn.decode.running(len(turn.req.prompt_ids)):
+        with turn.decode.running(len(turn.req.prompt_ids)), _decoding(turn.decode):
             response = await self.calls.leg("decode", turn.decode, self.client.post_json(
                 turn.decode.url, turn.req.endpoint, body, timeout_s=self._first_byte_s(turn),
                 headers=turn.leg_headers("decode"), on_sent=clock.decode_out, on_answer=clock.decode_in))
@@ -76,6 +78,7 @@ class DecodeLeg:
         """D's streamed leg, up to its response headers (and when it was sent)."""
         sent = time.perf_counter()
         if turn.plan.local:              # D's headroom counts it until its first token (reuse/headroom.py)
+            turn.local_ahead = turn.decode.local_prefill_tokens
             turn.local_prefill = (turn.decode, len(turn.req.prompt_ids) - turn.reused_tokens)
             turn.decode.local_prefill_tokens += turn.local_prefill[1]
         try:
@@ -102,11 +105,13 @@ class DecodeLeg:
         engine internals; record before `[DONE]`."""
         capture, began, first, recorded = DecodeCapture(cached_tokens=turn.cached_tokens), time.perf_counter(), \
             True, False
-        turn.decode.outstanding_requests += 1
-        turn.decode.running_kv_tokens += len(turn.req.prompt_ids)
+        decode = turn.decode
+        decode.outstanding_requests += 1
+        decode.running_kv_tokens += len(turn.req.prompt_ids)
         try:
             while (events := await stream.next_events()) is not None:
                 if first:
+                    decode.decoding_streams += 1         # D's headroom: a stream whose ITL a prefill would slow
                     _prefilled(turn)
                     turn.req.clock.decode_in()
                     self.outcome.release_held_back(turn)
@@ -134,19 +139,23 @@ class DecodeLeg:
             stream.close()           # on client disconnect too: closing the connection aborts the request on D
             _prefilled(turn)
             self.outcome.release_held_back(turn)
-            turn.decode.outstanding_requests -= 1
-            turn.decode.running_kv_tokens -= len(turn.req.prompt_ids)
+            decode.outstanding_requests -= 1
+            decode.running_kv_tokens -= len(turn.req.prompt_ids)
+            decode.decoding_streams -= 0 if first else 1
             turn.ticket.close()
             if not recorded:
                 await _shielded(self.outcome.abandon(turn))
 
 
     def _learn(self, turn: Turn, seconds: float) -> None:
-        """A streamed D leg's first token, for the path choice: the hand-over after P, or a local leg's fixed part."""
+        """A streamed D leg's first token, for the path choice: the hand-over after P, or a local leg's fixed part
+        (what it computed counts the local tokens D was prefilling ahead of it: a burst of first turns on D queued
+        behind each other, which taught the later turns a fixed part of 100 ms and sent them all the P path)."""
         computed = len(turn.req.prompt_ids) - turn.reused_tokens
         prefill_rate = self.rates.prefill_rate(turn.prefill.url) if turn.prefill else None
         if turn.plan.local:
             prefill_rate = self.rates.any_prefill_rate()
+            computed += turn.local_ahead
         self.rates.observe_decode(DecodeTiming(turn.decode.url, turn.plan.local, computed, seconds, time.monotonic()),
                                   prefill_rate)
 
@@ -157,6 +166,16 @@ def _prefilled(turn: Turn) -> None:
         engine, tokens = turn.local_prefill
         engine.local_prefill_tokens -= tokens
         turn.local_prefill = None
+
+
+@contextlib.contextmanager
+def _decoding(decode: Engine) -> Iterator[None]:
+    """A JSON leg counts as decoding for all its life: nothing says when its first token came."""
+    decode.decoding_streams += 1
+    try:
+        yield
+    finally:
+        decode.decoding_streams -= 1
 
 
 def _frames(capture: DecodeCapture, events: list[bytes], req: TurnRequest) -> tuple[bytes, bool]:

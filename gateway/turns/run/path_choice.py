@@ -58,7 +58,8 @@ class PathChoice:
 
     def _whole_prompt_local(self, turn: Turn) -> None:
         """`--local-first-turns`: a turn with nothing to reuse whose whole prompt is within D's local bound goes to
-        D alone (reuse/headroom.py keeps it off a D whose streams it would slow)."""
+        D alone (reuse/headroom.py keeps it off a D whose decoding streams it would slow; a burst of first turns,
+        none decoding yet, goes to D as to a co-located engine)."""
         if not self.settings.local_first_turns or turn.decode is None:
             return
         if 0 < len(turn.req.prompt_ids) <= self.local_bound(turn):

@@ -53,6 +53,7 @@ class Turn:
     pair: PushPair | None = None                       # push mode: the pair its legs belong to now
     headroom: Headroom | None = None                   # the local bound and what D's load made it (logged)
     local_prefill: tuple[Engine, int] | None = None    # a local leg's tokens counted on its D until its first token
+    local_ahead: int = 0                               # ... and the local tokens D was prefilling when it was sent
 
     def take(self, setback: LegSetback, step: Replan) -> None:
         """Apply the planner's answer to a setback: exclude the engine, spend a retry (or give up)."""
