@@ -16,7 +16,6 @@ so a turn still holding its `Engine` trusts nothing stale.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -120,9 +119,7 @@ class KVEventFeeds:
         feeds, self._feeds = list(self._feeds.values()), {}
         for feed in feeds:
             feed.task.cancel()
-        for feed in feeds:
-            with contextlib.suppress(asyncio.CancelledError):
-                await feed.task
+        await asyncio.gather(*(feed.task for feed in feeds), return_exceptions=True)    # a failed one said so
         self.ctx.destroy(linger=0)
         if self._metrics is not None:
             self._metrics.kv_events.source.discard(self.rows)
@@ -131,6 +128,16 @@ class KVEventFeeds:
         engine.cache = CacheIndex()            # fresh: UNKNOWN until its first batch
         subscriber = KVEventSubscriber(engine.url, endpoint, engine.cache, self.ctx)
         task = asyncio.create_task(subscriber.run())
-        task.add_done_callback(lambda _: subscriber.close())
+        task.add_done_callback(lambda done: _ended(subscriber, done))
         self._feeds[(engine.role, engine.url)] = Feed(engine, endpoint, subscriber, task)
         log.info("KV events of %s: subscribing to %s", engine.url, endpoint)       # the log shows it
+
+
+def _ended(subscriber: KVEventSubscriber, task: asyncio.Task) -> None:
+    """A subscriber's task is over: its sockets close. Over by a failure, its index is trusted no more (knowledge
+    left as it was would go on saying complete while the engine's cache changes unheard)."""
+    subscriber.close()
+    if not task.cancelled() and task.exception() is not None:
+        subscriber.index.lost()
+        log.error("KV events of %s: the subscriber failed (%r); its cache is unknown from now on", subscriber.url,
+                  task.exception())

@@ -114,3 +114,20 @@ async def test_a_reloaded_mapping_applies_to_the_engines_already_there():
         assert d0.cache is None and kv_rows(metrics) == {("decode", D1)}
     finally:
         await feeds.stop()
+
+
+async def test_a_subscriber_that_fails_leaves_its_engine_s_cache_unknown(monkeypatch):
+    registry, feeds, _ = await registry_with_feeds([f"{D0}=tcp://*:5557"], [D0])
+    engine = registry.pools["decode"].engines[D0]
+    engine.cache.apply(0, [])
+    subscriber = feeds._feeds[("decode", D0)].subscriber
+
+    async def broken() -> None:
+        raise RuntimeError("socket gone")
+
+    monkeypatch.setattr(subscriber.sock, "recv_multipart", broken)
+    try:
+        await asyncio.sleep(0.01)
+        assert engine.known_cache is None and subscriber.sock.closed      # not complete forever, unheard
+    finally:
+        await feeds.stop()
