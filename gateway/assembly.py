@@ -15,7 +15,7 @@ from gateway.config import ModelSetup, Settings, engine_names, model_label
 from gateway.engines.client import EngineClient
 from gateway.engines.discovery import DnsResolver, EngineDiscovery
 from gateway.engines.health import HealthChecker
-from gateway.engines.kv_events import KVEventFeeds, parse_mapping
+from gateway.engines.kv_feeds import EventMapping, KVEventFeeds
 from gateway.engines.pool import EnginePool
 from gateway.engines.registry import EngineRegistry
 from gateway.engines.transfer import Mode, PushIdentities, TransferModeError
@@ -106,6 +106,7 @@ class ModelSet:
             now = named[stack.name].settings
             for pool in stack.registry.pools.values():      # engines joining now get the names the file gives
                 pool.names.update(engine_names(now))
+            stack.feeds.remap(EventMapping(now.kv_events), stack.registry.pools.values())   # and its kv_events
             changes = await stack.discovery.reload(stack.registry, now.prefill, now.decode)
             said.append(f"{stack.name or 'engines'}: {changes}")
         for setup in (s for name, s in named.items() if name not in {st.name for st in self.stacks}):
@@ -134,8 +135,8 @@ async def build(setup: ModelSetup, client: EngineClient, store: ConversationStor
     await discovery.follow(settings.prefill, settings.decode)      # dns:// entries' first answers
     prefill, decode = discovery.pool("prefill", names, label), discovery.pool("decode", names, label)
     health = HealthChecker(client, [prefill, decode], metrics, settings.health_interval_s)
-    feeds = KVEventFeeds(parse_mapping(settings.kv_events), [prefill, decode], metrics)
-    feeds.start()                        # before the first turn: a publisher's seq 0 then says "complete"
+    feeds = KVEventFeeds(EventMapping(settings.kv_events), metrics, discovery.found_under)
+    feeds.subscribe_all([prefill, decode])   # before the first turn: a publisher's seq 0 then says "complete"
     await health.check_all()
     renderer = Renderer(settings.tokenizer, settings.chat_template)
     report = await startup_report(client, prefill, decode, renderer, store, settings)
@@ -153,7 +154,7 @@ async def build(setup: ModelSetup, client: EngineClient, store: ConversationStor
     metrics = metrics.for_model(served)       # its turns' families labelled with its name
     runner = _runner(client, prefill, decode, store, metrics, settings, block_size, served, tracing, renderer,
                      report.transfer.mode, admission)
-    registry = EngineRegistry(prefill, decode, health, metrics)
+    registry = EngineRegistry(prefill, decode, health, metrics, feeds)     # engines joining later: their feeds
     route = ModelRoute(intake, runner, Continuation(intake), ConversationAdmin(store, runner.releaser,
                        runner.state.pins), EngineAdmin(prefill, decode, registry, runner.state.pins),
                        scope=setup.scope, aliases=setup.aliases)

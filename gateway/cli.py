@@ -31,7 +31,7 @@ HELP = {
     "decoder_kv_blocks_ttl_s": "D's decoder_kv_blocks_ttl: how long D pins a finished turn's KV",
     "decode_kv_lease_s": "D's kv_lease_duration: how long D holds a local turn's KV (must equal D's setting)",
     "handle_ttl_margin_s": "stop using a D handle this long before D unpins it",
-    "kv_events": "ENGINE_URL=tcp://HOST:PORT (repeatable): subscribe to that engine's KV events (vLLM --kv-events-config) to know what its prefix cache holds",
+    "kv_events": "ENGINE_URL=tcp://HOST:PORT (repeatable): subscribe to that engine's KV events (vLLM --kv-events-config) to know what its prefix cache holds; HOST * is the engine's own host; dns://NAME:PORT=tcp://*:PORT covers every engine that pool entry finds",
     "local_prefill_max_tokens": "the local path's cap: a warm turn goes to the holder D alone when D computes at most this many tokens and D's headroom allows (0: off)",
     "local_first_turns": "a turn with nothing to reuse (a first turn, no session) goes to D alone when its whole prompt is within the local bound, as a co-located engine serves it: no P leg, no KV hand-over",
     "local_itl_budget_ms": "what local prefills in flight on a D may add to a step of its running streams (with the learned prefill rate, the local bound while D decodes)",

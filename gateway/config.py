@@ -127,7 +127,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     decode_load_bound: PositiveInt = 64            # outstanding requests above which affinity yields
     reuse_policy: ReusePolicy = "cost"             # "cost": send D's handle only where reading beats recomputing
     kv_transfer_mode: KVTransferMode = "auto"      # "auto": what the engines' /server_info shows
-    kv_events: list[str] = []                      # "ENGINE_URL=tcp://HOST:PORT": that engine's KV events (ZMQ)
+    kv_events: list[str] = []     # "ENGINE_URL=tcp://HOST:PORT", "dns://NAME:PORT=tcp://*:PORT": KV events (ZMQ)
     local_prefill_max_tokens: Annotated[int, msgspec.Meta(ge=0)] = DEFAULT_LOCAL_PREFILL_MAX_TOKENS  # 0: off
     local_itl_budget_ms: Annotated[float, msgspec.Meta(ge=0)] = DEFAULT_LOCAL_ITL_BUDGET_MS
     local_first_turns: bool = False                # a turn with nothing to reuse: D alone within the local bound
@@ -179,13 +179,14 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for entry in self.engine_names:
             if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}=\S+", entry):
                 raise ValueError(f"engine_names: {entry!r} is not NAME=URL (NAME: letters, digits, _ . -)")
-        for entry in self.kv_events:
-            url, _, endpoint = entry.partition("=")
-            if url.rstrip("/") not in {u.rstrip("/") for u in self.prefill + self.decode}:
-                raise ValueError(f"kv_events: {entry!r} does not name a --prefill or --decode engine URL")
-            if not re.fullmatch(r"(tcp://[^\s/*]+:\d+|ipc://\S+)", endpoint):
-                raise ValueError(f"kv_events: {entry!r}: the endpoint must be tcp://HOST:PORT or ipc://PATH "
-                                 "(where the engine publishes: not its tcp://*:PORT bind)")
+        for entry in self.kv_events:      # KEY=ENDPOINT, KEY a pool entry; engines/kv_feeds.py reads them
+            key, _, endpoint = entry.partition("=")
+            if key.rstrip("/") not in {u.rstrip("/") for u in self.prefill + self.decode}:
+                raise ValueError(f"kv_events: {entry!r} does not name a --prefill or --decode entry (URL or dns://)")
+            if not re.fullmatch(r"tcp://\*:\d+" if key.startswith("dns:") else r"tcp://(\*|[^\s/*]+):\d+|ipc://\S+",
+                                endpoint):
+                raise ValueError(f"kv_events: {entry!r}: the endpoint must be tcp://*:PORT (the engine's own host; "
+                                 "for a dns:// entry the only form), tcp://HOST:PORT or ipc://PATH")
         if self.redis_url is not None:
             _check_url("redis_url", self.redis_url, ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster"))
         if self.otlp_endpoint is not None:

@@ -131,6 +131,10 @@ class EngineDiscovery:
             urls += followed.urls if followed else [entry.rstrip("/")]
         return list(dict.fromkeys(urls))
 
+    def found_under(self, url: str) -> list[str]:
+        """The dns:// entries whose last answer holds the engine at `url` (their --kv-events entries cover it)."""
+        return [followed.entry for followed in self.followed.values() if url in followed.urls]
+
     async def follow(self, prefill: list[str], decode: list[str]) -> None:
         """The settings' entries (at start, on a reload); a name new to it is resolved at once."""
         self.entries = {"prefill": list(prefill), "decode": list(decode)}

@@ -1,5 +1,6 @@
 """Each engine's KV events (docs/protocol.md §10), read from its ZMQ PUB socket into its `CacheIndex`
-(`Engine.cache`): one SUB socket and one task per engine named by `--kv-events ENGINE_URL=tcp://host:port`.
+(`Engine.cache`): one SUB socket and one task per engine the `--kv-events` mapping covers (`kv_feeds.py` starts
+and stops them as engines join and leave).
 
 A message is [topic, seq (8 bytes big-endian), msgpack [ts, [events...], data_parallel_rank]]. vLLM 0.32 encodes
 each event as a map tagged `"type"`; older versions (and vLLM's example subscriber) as a tagged array in field
@@ -12,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -20,8 +20,6 @@ import zmq
 import zmq.asyncio
 
 from gateway.engines.cache_index import CacheIndex, Cleared, Event, Removed, Stored
-from gateway.engines.pool import EnginePool
-from gateway.telemetry import Metrics
 
 log = logging.getLogger("gateway.kv_events")
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
@@ -93,6 +91,10 @@ class KVEventSubscriber:
             watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watch
+
+    def close(self) -> None:
+        """Its sockets closed: once its task has ended, which may be before it ever ran (cancelled at once)."""
+        if not self.sock.closed:
             self.sock.disable_monitor()
             self.monitor.close(linger=0)
             self.sock.close(linger=0)
@@ -114,47 +116,3 @@ class KVEventSubscriber:
             await self.monitor.recv_multipart()
             log.info("KV events of %s: disconnected; its cache is unknown until the next batch", self.url)
             self.index.lost()
-
-
-class KVEventFeeds:
-    """Every engine's subscriber, started with the gateway and stopped with it."""
-
-    def __init__(self, mapping: dict[str, str], pools: Iterable[EnginePool], metrics: Metrics | None = None) -> None:
-        self.ctx = zmq.asyncio.Context()
-        self.subscribers: list[KVEventSubscriber] = []
-        self._roles: dict[str, str] = {}
-        for pool in pools:
-            for engine in pool.engines.values():
-                endpoint = mapping.get(engine.url)
-                if endpoint is not None:
-                    engine.cache = CacheIndex()
-                    self._roles[engine.url] = pool.role
-                    self.subscribers.append(KVEventSubscriber(engine.url, endpoint, engine.cache, self.ctx))
-                    log.info("KV events of %s: subscribing to %s", engine.url, endpoint)   # the log shows it
-        self._tasks: list[asyncio.Task] = []
-        self._metrics = metrics
-        if metrics is not None:
-            metrics.kv_events.source.add(self.rows)
-
-    def rows(self) -> list[tuple[str, str, int, str, int]]:
-        """Each subscribed engine's state, for `pdgw_kv_events_*`."""
-        return [(self._roles[s.url], s.url, len(s.index), s.index.knowledge.value, s.index.gaps)
-                for s in self.subscribers]
-
-    def start(self) -> None:
-        self._tasks = [asyncio.create_task(s.run()) for s in self.subscribers]
-
-    async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self.ctx.destroy(linger=0)      # closes the sockets of a task cancelled before it ran, too
-        if self._metrics is not None:
-            self._metrics.kv_events.source.discard(self.rows)
-
-
-def parse_mapping(entries: list[str]) -> dict[str, str]:
-    """`ENGINE_URL=ENDPOINT` entries (config.py has checked their shape)."""
-    return {url.rstrip("/"): endpoint for url, _, endpoint in (e.partition("=") for e in entries)}

@@ -151,19 +151,6 @@ def test_an_undecodable_message_makes_the_cache_unknown() -> None:
     assert index.knowledge is Knowledge.PARTIAL          # batch 1 was lost after all
 
 
-async def test_feeds_give_each_named_engine_an_index_and_stop_at_once():
-    import asyncio
-
-    from gateway.engines.kv_events import KVEventFeeds
-    from gateway.engines.pool import EnginePool
-    d = EnginePool("decode", ["http://d0:8000", "http://d1:8000"])
-    feeds = KVEventFeeds({"http://d0:8000": "tcp://127.0.0.1:9"}, [d])
-    assert d.engines["http://d0:8000"].cache is not None and d.engines["http://d1:8000"].cache is None
-    feeds.start()
-    await asyncio.wait_for(feeds.stop(), 5)     # a task cancelled before it ran leaves no socket open
-    assert feeds.rows() == [("decode", "http://d0:8000", 0, "unknown", 0)]
-
-
 @pytest.mark.parametrize("events, knowledge, cached, known", [
     ([[stored(0, 6, None)]], Knowledge.COMPLETE, 21, True),        # all of the 21 held tokens
     ([[stored(0, 2, None)]], Knowledge.COMPLETE, 8, True),         # complete: what it lacks, it lacks

@@ -127,15 +127,21 @@ def test_an_otlp_endpoint_turns_tracing_on():
 
 @pytest.mark.parametrize("entry, ok", [
     ("http://d:8000=tcp://d:5557", True), ("http://d:8000/=ipc:///tmp/d.sock", True),
+    ("http://d:8000=tcp://*:5557", True),                     # the engine's own host: vLLM's bind pasted as it is
     ("http://x:8000=tcp://d:5557", False), ("http://d:8000=d:5557", False), ("http://d:8000", False),
-    ("http://d:8000=tcp://*:5557", False)])
-def test_kv_events_name_an_engine_and_an_endpoint(entry, ok):
-    flags = {"prefill": ["http://p:8000"], "decode": ["http://d:8000"], "kv_events": [entry]}
+    ("http://d:8000=tcp://*:*", False),
+    ("dns://pdgw-decode:8200=tcp://*:5557", True), ("dns://pdgw-decode:8200/=tcp://*:5557", True),
+    ("dns://pdgw-decode:8200=tcp://10.0.0.1:5557", False),    # every engine found would read one engine's events
+    ("dns://pdgw-decode:8200=ipc:///tmp/d.sock", False), ("dns://pdgw-other:8200=tcp://*:5557", False),
+    ("dns://pdgw-decode:8300=tcp://*:5557", False)])
+def test_kv_events_name_a_pool_entry_and_an_endpoint(entry, ok):
+    flags = {"prefill": ["http://p:8000"], "decode": ["http://d:8000", "dns://pdgw-decode:8200"], "kv_events": [entry]}
     if ok:
         assert config.build(flags, environ={}).kv_events == [entry]
     else:
-        with pytest.raises(ConfigError, match="kv_events"):
+        with pytest.raises(ConfigError, match=r"^invalid setting kv_events \(from --kv-events\): '") as caught:
             config.build(flags, environ={})
+        assert "\n" not in str(caught.value)
 
 
 @pytest.mark.parametrize("entry, ok", [

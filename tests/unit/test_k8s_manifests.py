@@ -248,6 +248,43 @@ def test_engines_get_the_nixl_settings_the_gateway_expects(overlay, name, role, 
     assert container(engine)["resources"]["limits"]["nvidia.com/gpu"] == "1"
 
 
+def kv_events_problems(objs: list[Obj], tmp_path: Path) -> list[str]:
+    """Each role's engines publish KV events on a port they open, the gateway subscribes to every pod its dns://
+    entry finds on that port, and the NetworkPolicy lets it reach the port."""
+    settings, out = gateway_settings(objs, tmp_path), []
+    subscribed = dict(entry.partition("=")[::2] for entry in settings.kv_events)
+    for role, name in (("prefill", "pdgw-prefill"), ("decode", "pdgw-decode")):
+        engine = one(objs, "Deployment", name)
+        events = json.loads(flag(engine_argv(objs, engine, tmp_path), "--kv-events-config"))
+        port = int(events["endpoint"].rpartition(":")[2])
+        if not events["enable_kv_cache_events"] or events["publisher"] != "zmq" or resolve(engine, port) is None:
+            out.append(f"{name}: publishes no KV events on a port it opens: {events}")
+        (entry,) = [e for e in getattr(settings, role) if e.startswith("dns://")]
+        if subscribed.get(entry) != f"tcp://*:{port}":
+            out.append(f"{entry}: the gateway does not subscribe to its pods' port {port}")
+        if port not in {p["port"] for p in _policy_peer(objs, role)["ports"]}:
+            out.append(f"the NetworkPolicy does not let the gateway reach {role}'s port {port}")
+    return out
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_engines_publish_kv_events_the_gateway_subscribes_to(overlay, tmp_path):
+    assert kv_events_problems(render(overlay), tmp_path) == []
+
+
+@pytest.mark.parametrize("break_it", [
+    lambda o: container(one(o, "Deployment", "pdgw-decode"))["args"].__setitem__(1, json.dumps(
+        {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5558"})),
+    lambda o: _policy_peer(o, "prefill")["ports"].pop(),
+    lambda o: [c for c in o if c["kind"] == "ConfigMap" and "settings.yaml" in c["data"]][0]["data"].update(
+        {"settings.yaml": "prefill: [dns://pdgw-prefill:8100]\ndecode: [dns://pdgw-decode:8200]\n"}),
+], ids=["another port", "policy without it", "not subscribed"])
+def test_the_kv_events_check_catches_mistakes(break_it, tmp_path):
+    objs = render("dev")
+    break_it(objs)
+    assert kv_events_problems(objs, tmp_path)
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_engines_run_the_image_with_the_stream_plugin(overlay):
     objs = render(overlay)
