@@ -6,8 +6,8 @@ and fills the rest of a step with prefill tokens (chunked prefill, vllm/v1/core/
 that carries prefill tokens lasts longer by about `tokens / prefill rate`, and the streams' inter-token latency
 grows by that much. The gateway therefore lets D hold at most `itl_budget_s x prefill rate` local prefill tokens in
 flight at once while D has streams decoding, and the whole cap while it has none: requests still waiting for their
-first token have no inter-token latency to lose (a burst of first turns), and where costs are weighed the path
-choice puts D's local prefills already in flight into the local path's time (cost.choose_path). A D whose own
+first token have no inter-token latency to lose (a burst of first turns goes to D as to a co-located engine). A
+D whose own
 queue is not empty gets the floor only: what it would prefill waits behind others, and P is free (its queue for
 room: vLLM also counts as waiting the requests waiting for P's KV, which P-path turns themselves put there). The
 prefill rate is the one the gateway learns from P's legs (D runs the same model on the same kind of engine);
