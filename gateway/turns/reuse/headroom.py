@@ -7,9 +7,9 @@ that carries prefill tokens lasts longer by about `tokens / prefill rate`, and t
 grows by that much. The gateway therefore lets D hold at most `itl_budget_s x prefill rate` local prefill tokens in
 flight at once while D has streams decoding, and the whole cap while it has none: requests still waiting for their
 first token have no inter-token latency to lose (a burst of first turns goes to D as to a co-located engine). A
-D whose own
-queue is not empty gets the floor only: what it would prefill waits behind others, and P is free (its queue for
-room: vLLM also counts as waiting the requests waiting for P's KV, which P-path turns themselves put there). The
+D whose own queue is not empty gets the floor only: what it would prefill waits behind others, and P is free (its
+queue for room: vLLM also counts as waiting the requests waiting for P's KV, which P-path turns themselves put
+there). The
 prefill rate is the one the gateway learns from P's legs (D runs the same model on the same kind of engine);
 until one is known, the floor.
 
