@@ -25,7 +25,7 @@ from gateway.api.routes import ROUTES
 from gateway.api.turn_entry import Gateway
 from gateway.assembly import ModelSet, ModelStack
 from gateway.config import Settings
-from gateway.engines.client import EngineClient
+from gateway.engines.client import EngineClient, engine_connector
 from gateway.store import ConversationStore, open_store
 from gateway.telemetry import Metrics
 from gateway.tracing import Tracing, start_tracing
@@ -64,7 +64,7 @@ async def _lifespan(app: Litestar, settings: Settings, tracing: Tracing,
                     reload: Callable[[], Settings] | None) -> AsyncIterator[None]:
     state = app.state
     state.metrics = Metrics()
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+    connector = engine_connector()
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         client = EngineClient(session)

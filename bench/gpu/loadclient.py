@@ -27,6 +27,7 @@ _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 TOP_K = 20
 ERROR_PAUSE_S = 1.0
+KEEPALIVE_S = 4.0          # below vLLM's 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE): no request on a connection it closes
 SAMPLE_EVERY = 20          # 1 in 20 later turns asks for logprobs and its prompt ids, replayed on C afterwards
 
 
@@ -85,7 +86,8 @@ class Client:
         began = time.perf_counter()
         deadline = began + point.duration_s
         timeout = aiohttp.ClientTimeout(total=self.turn_timeout_s)     # a turn past it counts as hung
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as http:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
+                                         timeout=timeout) as http:
             convs = (Conversation(point.shape, self.tag, point.seed, i, point.think_scale)
                      for i in range(point.conversations or 10**6))
             if point.concurrency:

@@ -24,6 +24,17 @@ from gateway.errors import (
 )
 
 JSON_HEADERS = {"Content-Type": "application/json"}
+# vLLM's API server (uvicorn) closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s, vllm/envs.py);
+# aiohttp keeps one for 15 s. A request written on a connection the engine is closing fails ("server
+# disconnected", "connection reset": 502s under load on the simulators, which keep uvicorn's 5 s too). Closing
+# idle connections first leaves no such race.
+ENGINE_KEEPALIVE_S = 4.0
+
+
+def engine_connector(keepalive_s: float = ENGINE_KEEPALIVE_S) -> aiohttp.TCPConnector:
+    """The connection pool for engines: unbounded (admission bounds the turns), idle connections closed before
+    the engines close them."""
+    return aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=keepalive_s)
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 

@@ -17,6 +17,7 @@ import msgspec
 from gateway.sim.blocks import Slot
 
 TRANSFER_TIMEOUT_S = 5.0  # an unreachable holder fails the load after about this long
+KEEPALIVE_S = 4.0         # below the other sims' keep-alive (uvicorn's 5 s)
 
 
 class KVReadRequest(msgspec.Struct):
@@ -71,7 +72,9 @@ class KVClient:
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TRANSFER_TIMEOUT_S))
+        # other sims close a connection idle for uvicorn's 5 s, as vLLM does: a read must not race that close
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S),
+                                              timeout=aiohttp.ClientTimeout(total=TRANSFER_TIMEOUT_S))
 
     async def close(self) -> None:
         if self._session is not None:
