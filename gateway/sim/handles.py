@@ -6,7 +6,7 @@ read of the same ids gets whatever the blocks hold by then, silently, as NIXL do
 vLLM's holder cannot tell why a request id is no longer tracked: a read's completion notification or a
 notification alone (a release, an abort) for one it does not know is logged ("Potentially invalid KV blocks for
 unrecognized request"), counted in `vllm:nixl_num_notifications_after_expiry` and ignored, the read's bytes
-already copied (vLLM 0.32 `nixl/pull_worker.py:664-674`). The simulator remembers what it issued, so it counts
+already copied (vLLM 0.32 `nixl/pull_worker.py:662-673`). The simulator remembers what it issued, so it counts
 each by what arrived and why (docs/protocol.md §4): only a read is harmful.
 """
 
