@@ -14,7 +14,10 @@ mid-stream and restarted, and a master's crash failed over, take the place of Re
 bench/chaos_cluster.py): still 0 corrupt, reuse after each fault, every D's pin-budget shares summing to its
 budget. Its findings are the line before the last (`cluster: interrupted=N ... shares_end=ok`).
 
-Last line: chaos: turns=N corrupt=0 hung=0 leaked_pins=0 bad_input_5xx=0 non_openai_errors=0 reuse_rate=R
+Last line: chaos: turns=N corrupt=0 stale_reads=0 hung=0 leaked_pins=0 bad_input_5xx=0 non_openai_errors=0 reuse_rate=R
+`stale_reads`: reads of a handle already spent on its D (or P), or never issued there: garbage on vLLM, a gateway bug
+even while the blocks still hold the right KV (corrupt=0). The harmless claims of a spent handle, notifications
+(a release sent again), are on the `double reads:` line (docs/protocol.md §4).
 Above it, one line per fallback reason of the later turns that did not reuse (`fallback REASON: N`), most first.
 """
 
@@ -54,6 +57,8 @@ GATEWAY_FLAGS = ["--prefill-timeout-s", "4", "--prefill-handle-timeout-s", "3", 
                  "--decode-kv-lease-s", str(D_LEASE_S)]
 SIM_FLAGS = ["--output-tokens", "70:110", "--kv-lease-duration", str(TTL_S), "--decoder-kv-blocks-ttl",
              str(TTL_S), "--log-level", "warning"]
+DOUBLE_READS = ("handles_reread", "handles_read_unknown", "handles_renotified", "handles_notified_unknown")
+STALE_READS = DOUBLE_READS[:2]  # the reads among them; the others are notifications, which D ignores
 RECENT: list[str] = []         # session ids of recent conversations (--models 2 gives some to another model too)
 WORDS = "cache block token engine stream prefix decode prefill lease handle answer model river orbit".split()
 BAD_INPUTS = [b"{nope", b"[]", b'{"model":"demo"}', b'{"messages":"x"}', b'{"messages":[{"role":1}]}',
@@ -230,10 +235,13 @@ async def settle(fleet: Fleet, tally: Tally) -> None:
             break
         await asyncio.sleep(0.5)
     tally.leaked_pins = held
-    tally.corrupt = sum(s["kv_reads_corrupt"] for s in [*current, *fleet.dead_stats])
-    for s in [*current, *fleet.dead_stats]:
-        keys = ("kv_reads_corrupt", "requests_corrupt", "handles_double_read", "handles_read_after_expiry",
-                "kv_reads_declined", "kv_load_failures", "requests_aborted", "handles_expired")
+    every = [*current, *fleet.dead_stats]
+    tally.corrupt = sum(s["kv_reads_corrupt"] for s in every)
+    tally.double_reads.update({k: sum(s[k] for s in every) for k in DOUBLE_READS})
+    for s in every:
+        keys = ("kv_reads_corrupt", "requests_corrupt", "handles_double_read", *DOUBLE_READS,
+                "handles_read_after_expiry", "kv_reads_declined", "kv_load_failures", "requests_aborted",
+                "handles_expired")
         tally.notes.append(f"{s['engine_id']}: " + " ".join(f"{k}={s[k]}" for k in keys))
 
 
@@ -281,6 +289,7 @@ async def run(clients: int, turns: int, fault_period: float, replicas: int, kv_e
         ordered = sorted(tally.seconds)
         print(f"turn seconds: p50={ordered[len(ordered) // 2]:.2f} p90={ordered[len(ordered) * 9 // 10]:.2f} "
               f"max={ordered[-1]:.2f}")
+    print("double reads:", " ".join(f"{k.removeprefix('handles_')}={tally.double_reads[k]}" for k in DOUBLE_READS))
     for note in tally.notes[-12:]:
         print("note:", note)
     return tally
@@ -311,7 +320,8 @@ def main() -> None:
         print(f"fallback {reason}: {count} ({count / max(t.later_turns, 1):.0%} of later turns)")
     if t.cluster:
         print(t.cluster)
-    print(f"chaos: turns={t.turns} corrupt={t.corrupt} hung={t.hung} leaked_pins={t.leaked_pins} "
+    stale = sum(t.double_reads[k] for k in STALE_READS)
+    print(f"chaos: turns={t.turns} corrupt={t.corrupt} stale_reads={stale} hung={t.hung} leaked_pins={t.leaked_pins} "
           f"bad_input_5xx={t.bad_input_5xx} non_openai_errors={t.non_openai_errors} reuse_rate={reuse_rate:.2f}")
 
 

@@ -36,6 +36,7 @@ class Tally:
     disconnects: int = 0
     corrupt: int = 0
     leaked_pins: int = 0
+    double_reads: Counter = field(default_factory=Counter)  # the engines' handles_double_read by kind (sim/handles.py)
     interrupted: int = 0           # turns cut by their gateway replica's kill (sent again to another replica)
     notes: list[str] = field(default_factory=list)
     errors: Counter = field(default_factory=Counter)

@@ -197,15 +197,14 @@ def create_sim_app(settings: SimSettings) -> Litestar:
         if any(not 0 <= i < engine.settings.num_blocks for i in body.block_ids):
             return _json(wire.error_body("block id out of range", 400), 400)
         blocks = [list(engine.pool.blocks[i].slots) for i in body.block_ids]  # copied before they are freed
-        claim = engine.handles.claim(body.request_id)
-        return _json({"blocks": blocks, "claim": claim})
+        return _json({"blocks": blocks, "claim": engine.handles.claim(body.request_id, "read")})
 
     @post("/sim/kv/notify", status_code=200)
     async def kv_notify(request: Request) -> Response:
         body = msgspec.json.decode(await request.body(), type=KVNotifyRequest)
         if body.engine_id != settings.engine_id:
             return _json(wire.error_body("engine id mismatch", 400), 409)
-        return _json({"claim": engine.handles.claim(body.request_id)})
+        return _json({"claim": engine.handles.claim(body.request_id, "notify")})
 
     @post("/sim/kv/heartbeat", status_code=200)
     async def kv_heartbeat(request: Request) -> Response:

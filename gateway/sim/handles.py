@@ -2,6 +2,12 @@
 
 A handle is single use: the first read or notification frees its blocks (back to the prefix cache). A later
 read of the same ids gets whatever the blocks hold by then, silently, as NIXL does; it is only counted.
+
+vLLM's holder cannot tell why a request id is no longer tracked: a read's completion notification or a
+notification alone (a release, an abort) for one it does not know is logged ("Potentially invalid KV blocks for
+unrecognized request"), counted in `vllm:nixl_num_notifications_after_expiry` and ignored, the read's bytes
+already copied (vLLM 0.32 `nixl/pull_worker.py:662-673`). The simulator remembers what it issued, so it counts
+each by what arrived and why (docs/protocol.md §4): only a read is harmful.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from gateway.sim.stats import SimStats
 
 HoldKind = Literal["lease", "pin"]
 Claim = Literal["active", "consumed", "expired", "unknown"]
+Arrival = Literal["read", "notify"]  # blocks' data moved (a read, push mode's write) or a notification alone
 MAX_REMEMBERED = 100_000  # ids of spent handles kept to tell a double read from an unknown one
 
 
@@ -46,7 +53,7 @@ class HandleTable:
         held.expires_at = max(held.expires_at, time.monotonic() + lease_s)
         return True
 
-    def claim(self, request_id: str) -> Claim:
+    def claim(self, request_id: str, arrived: Arrival) -> Claim:
         """A read or a notification arrived: free an active handle, count any other."""
         self.expire()
         held = self.held.pop(request_id, None)
@@ -59,8 +66,22 @@ class HandleTable:
         if state == "expired":
             self.stats.handles_read_after_expiry += 1
         else:
-            self.stats.handles_double_read += 1
+            self._count_double(arrived, spent=state == "consumed")
         return state
+
+    def _count_double(self, arrived: Arrival, *, spent: bool) -> None:
+        """`spent`: consumed on this instance; else it never issued the id (issued before a restart under the same
+        engine id, or before `/sim/reset`). Another engine id is refused before this, at the handshake."""
+        s = self.stats
+        s.handles_double_read += 1
+        if arrived == "read" and spent:
+            s.handles_reread += 1
+        elif arrived == "read":
+            s.handles_read_unknown += 1
+        elif spent:
+            s.handles_renotified += 1
+        else:
+            s.handles_notified_unknown += 1
 
     def expire(self, now: float | None = None) -> int:
         now = time.monotonic() if now is None else now

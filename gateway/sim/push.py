@@ -191,7 +191,7 @@ class PushSender:
             return
         engine.stats.push_writes_sent += 1
         engine.stats.push_blocks_written += n
-        engine.handles.claim(p_rid)  # the WRITE completed: P frees its blocks (finished_sending)
+        engine.handles.claim(p_rid, "read")  # the WRITE completed: P frees its blocks (finished_sending)
 
     def clear(self) -> None:
         self.staged.clear()

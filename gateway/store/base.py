@@ -7,7 +7,8 @@ thing it reads from a record is where its fingerprint's chain of block hashes re
 
 Errors:
     StoreUnavailableError   the backing store cannot answer (down, timeout, undecodable data): the gateway
-                            serves the turn stateless instead of failing it.
+                            serves the turn stateless instead of failing it. A write whose answer was lost
+                            may have happened: a handle it carried is then not released (it may be claimed).
     ValueError              a key that breaks the rules below (a caller bug, never retried).
 """
 

@@ -61,8 +61,29 @@ def test_handle_single_use_then_double_read_counted() -> None:
     table = HandleTable(pool, stats)
     table.hold("r1", pool.allocate(2), 30, "pin")
     assert pool.in_use == 2 and table.count("pin") == 1
-    assert table.claim("r1") == "active" and pool.in_use == 0
-    assert table.claim("r1") == "consumed" and stats.handles_double_read == 1
+    assert table.claim("r1", "read") == "active" and pool.in_use == 0
+    assert table.claim("r1", "read") == "consumed" and stats.handles_double_read == 1
+
+
+@pytest.mark.parametrize(("first", "then", "issued", "counted"), [
+    ("read", "read", True, "handles_reread"),
+    ("notify", "read", True, "handles_reread"),             # read after a release: garbage all the same
+    (None, "read", False, "handles_read_unknown"),
+    ("read", "notify", True, "handles_renotified"),
+    ("notify", "notify", True, "handles_renotified"),       # a release sent twice
+    (None, "notify", False, "handles_notified_unknown"),
+])
+def test_double_reads_split_by_what_arrived_and_why(first, then, issued, counted) -> None:
+    stats = SimStats()
+    pool = BlockPool(4, BS)
+    table = HandleTable(pool, stats)
+    if issued:
+        table.hold("r1", pool.allocate(1), 30, "pin")
+        table.claim("r1", first)
+    assert table.claim("r1", then) == ("consumed" if issued else "unknown")
+    split = ("handles_reread", "handles_read_unknown", "handles_renotified", "handles_notified_unknown")
+    assert {k: getattr(stats, k) for k in split} == {k: int(k == counted) for k in split}
+    assert stats.handles_double_read == 1 and stats.handles_consumed == int(issued)
 
 
 def test_expiry_frees_and_later_read_is_counted() -> None:
@@ -71,7 +92,7 @@ def test_expiry_frees_and_later_read_is_counted() -> None:
     table = HandleTable(pool, stats)
     table.hold("r1", pool.allocate(1), 0.0, "lease")
     assert table.expire() == 1 and pool.in_use == 0 and stats.handles_expired == 1
-    assert table.claim("r1") == "expired" and stats.handles_read_after_expiry == 1
+    assert table.claim("r1", "read") == "expired" and stats.handles_read_after_expiry == 1
 
 
 def test_heartbeat_extends_leases_not_pins() -> None:

@@ -87,13 +87,13 @@ def test_single_use_second_read_is_silent_then_corrupt_once_reused(sims: Sims, f
         sims.reset(p)
         sims.prefill(p, m2, handle)
         assert sims.stats(p)["kv_reads_corrupt"] == 0  # freed blocks still hold the data
-    assert sims.stats(d)["handles_double_read"] == 1
+    assert sims.stats(d)["handles_double_read"] == sims.stats(d)["handles_reread"] == 1
     # Another request takes (nearly) every block of D's 40: the freed ones get new content.
     resp = sims.post(d, "/v1/completions", {"model": "demo", "prompt": [5] * 600, "max_tokens": 1})
     assert resp.status_code == 200, resp.text
     sims.reset(p)
     sims.prefill(p, m2, handle)
-    assert sims.stats(p)["kv_reads_corrupt"] > 0 and sims.stats(d)["handles_double_read"] == 2
+    assert sims.stats(p)["kv_reads_corrupt"] > 0 and sims.stats(d)["handles_reread"] == 2
 
 
 def test_shorter_prompt_with_full_handle_reads_wrong_blocks(sims: Sims, fleet: Fleet) -> None:
@@ -136,3 +136,20 @@ def test_release_handle_frees_d_blocks_without_data(sims: Sims, fleet: Fleet) ->
     ps, ds = sims.stats(p), sims.stats(d)
     assert ps["kv_reads_total"] == 0 and ps["prompt_tokens_loaded"] == 0 and ps["notifications_sent"] == 1
     assert ds["handles_pinned"] == 0 and ds["blocks_in_use"] == 0
+
+
+def test_a_release_sent_again_is_a_notification_and_a_read_after_it_a_reread(sims: Sims, fleet: Fleet) -> None:
+    """D counts each claim of a spent handle by what arrived: a second release is ignored (vLLM logs it); a read
+    after the release copies freed blocks."""
+    p, d = fleet("p", "d")
+    sims.reset(p, d)
+    m1, r1 = _turn1(sims, p, d, long_text(50, "w"))
+    handle = r1["kv_transfer_params"]
+    for _ in range(2):
+        sims.prefill(p, [user("warm-up")], dict(handle, remote_num_tokens=0))
+    ds = sims.stats(d)
+    assert (ds["handles_double_read"], ds["handles_renotified"], ds["handles_reread"]) == (1, 1, 0)
+    sims.reset(p)
+    sims.prefill(p, m1 + [assistant(r1), user("more")], handle)
+    ds = sims.stats(d)
+    assert (ds["handles_double_read"], ds["handles_renotified"], ds["handles_reread"]) == (2, 1, 1)

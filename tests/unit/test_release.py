@@ -11,7 +11,7 @@ import pytest
 from gateway.config import Settings
 from gateway.engines import kv
 from gateway.engines.pool import EnginePool
-from gateway.errors import EngineConnectError, EngineFailedError
+from gateway.errors import EngineConnectError, EngineFailedError, EngineUnavailableError
 from gateway.telemetry import Metrics
 from gateway.turns.legs import release
 from gateway.turns.legs.calls import EngineCalls
@@ -67,8 +67,28 @@ def test_a_release_while_p_is_down_is_sent_once_p_is_back():
     assert released(FlakyP(down=3)) == 4
 
 
-def test_a_release_p_answered_with_an_error_is_not_sent_again():
-    assert released(FlakyP(down=0, error=EngineFailedError("P failed"))) == 1
+@pytest.mark.parametrize("error", [EngineFailedError("P failed"), EngineUnavailableError("engine went away")])
+def test_a_release_p_took_is_not_sent_again(error):
+    """P answered with an error, or went away with the request: it may have notified D already."""
+    assert released(FlakyP(down=0, error=error)) == 1
+
+
+def test_a_release_while_no_p_is_up_is_sent_once_one_is():
+    p = FlakyP(down=0)
+    r = releaser(p)
+    r.prefill.get(P).healthy = False
+
+    async def go() -> None:
+        r.release(HANDLE, "unused")
+        await asyncio.sleep(0.05)
+        assert p.calls == 0                            # none to pick: nothing sent, tried again
+        r.prefill.get(P).healthy = True
+        for _ in range(200):
+            if not r._tasks:
+                return
+            await asyncio.sleep(0.01)
+    asyncio.run(go())
+    assert p.calls == 1
 
 
 def test_retries_stop_at_the_limit_and_at_shutdown(monkeypatch: pytest.MonkeyPatch):

@@ -14,8 +14,9 @@ import time
 
 from gateway.engines import kv
 from gateway.engines.client import EngineClient
+from gateway.engines.engine import Engine
 from gateway.engines.pool import EnginePool
-from gateway.errors import EngineUnavailableError, GatewayError
+from gateway.errors import EngineConnectError, GatewayError
 from gateway.telemetry import Metrics
 from gateway.turns.legs.calls import EngineCalls
 
@@ -44,15 +45,18 @@ class HandleReleaser:
                 kv.WIRE_KEY: handle.released().wire}
         give_up, pause = time.monotonic() + RELEASE_RETRY_S, RETRY_FIRST_S
         while True:
+            engine: Engine | None = None
             try:
                 engine = self.prefill.pick_prefill()
                 await self.calls.call(engine, self.client.post_json(
                     engine.url, "/v1/completions", body, timeout_s=RELEASE_TIMEOUT_S), prompt_tokens=1)
                 return
             except GatewayError as exc:
-                # Only where no P took it (nothing reached D) is it tried again; one P answered or timed out on
-                # is not sent twice.
-                again = isinstance(exc, EngineUnavailableError) and time.monotonic() + pause <= give_up
+                # Only where no P took it (none to pick, or its connection refused: nothing reached D) is it tried
+                # again; one P answered, timed out on or went away with may have notified D, and D logs a second
+                # notification as a read of blocks it no longer holds (docs/protocol.md §4).
+                unsent = engine is None or isinstance(exc, EngineConnectError)
+                again = unsent and time.monotonic() + pause <= give_up
                 if not again or self._closed.is_set():
                     log.info("could not release a D handle (%s); D frees it at its TTL", exc.code)
                     return

@@ -49,7 +49,7 @@ class PutBacks:
         try:
             back = await timed(self.metrics, "put_back", self.store.put_back(session, start, time.time()))
         except StoreUnavailableError:
-            back = False
+            return          # no answer is not a no: the handle may be back in the store (as in state.py `record`)
         if not back and (handle := kv.from_store(start.handle)) is not None:
             self.releaser.release(handle, "unused")     # a turn began since: the handle is this turn's to free
 

@@ -141,13 +141,16 @@ class ConversationState:
         findable = handle is None and record.held_tokens > 0
         expires_at = now + (self.settings.conversation_ttl_s if findable else
                             self.settings.lease_ttl_s if leased else self.settings.handle_ttl_s)
+        stored: bool | None
         try:
             stored = await timed(self.metrics, "finish_turn", self.store.finish_turn(
                 session, start.turn, record, kv.stored(handle, findable), expires_at, now,
                 _unchanged(previous, record)))
         except StoreUnavailableError:
-            stored = False
-        if handle and not stored:
+            # No answer is not a no: the finish may have stored the handle for the next turn to claim and read,
+            # so it is not released (the store drops it before D's TTL frees it).
+            stored = None
+        if handle and stored is False:
             self.releaser.release(handle, "superseded")
         if handle and stored:
             self.pins.stored(served.decode, session, start.turn, handle, now, expires_at)
