@@ -55,6 +55,7 @@ class Engine:
     outstanding_tokens: int = 0
     running_kv_tokens: int = 0      # a D: prompt tokens of this gateway's requests running on it (the KV they hold)
     local_prefill_tokens: int = 0   # a D: tokens of this gateway's local turns it is prefilling (no first token yet)
+    local_prefills: int = 0         # ... and how many turns they are
     decoding_streams: int = 0       # a D: this gateway's legs past their first token (a JSON leg: all its life)
     admitted_at: float = 0.0
     breaker: Breaker = field(default_factory=Breaker)

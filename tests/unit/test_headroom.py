@@ -80,3 +80,13 @@ def test_with_no_handle_to_read_only_d_s_queue_bounds_it():
     assert local_bound(8192, 0.02, RATE, **busy, else_whole_prefill=True).bound == 8192
     assert local_bound(8192, 0.02, RATE, streams=12, waiting=1, in_flight=0, else_whole_prefill=True).bound \
         == FLOOR_TOKENS
+
+
+def test_this_gateway_s_own_local_prefills_waiting_on_d_are_no_queue_for_room():
+    """D's step budget holds back a burst of local prefills: they wait in D's queue, but they are in flight already
+    (`in_flight`), not a D short of room; one request more waiting than them is."""
+    d = Engine("http://d", "decode", outstanding_requests=6, local_prefills=6, local_prefill_tokens=6000)
+    d.data_plane = DataPlane(requests_running=2.0, requests_waiting=4.0)
+    assert for_decode(d, 8192, 20.0, RATE).waiting == 0
+    d.data_plane = DataPlane(requests_running=2.0, requests_waiting=7.0)
+    assert for_decode(d, 8192, 20.0, RATE).bound == FLOOR_TOKENS

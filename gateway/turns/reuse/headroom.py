@@ -69,11 +69,13 @@ def for_decode(decode: Engine, cap: int, itl_budget_ms: float, prefill_tokens_pe
     """`local_bound` from what the gateway knows of `decode`: its own streams, those past their first token and
     its local prefills in flight there, and D's running and waiting requests as its /metrics last said (the health
     loop's scrape). Running requests D counts beyond this gateway's (another worker's or replica's) are taken
-    as decoding: nothing says they are not."""
+    as decoding: nothing says they are not. Its own local prefills waiting in D's queue are no queue for room
+    (the step's token budget holds them back, and they are counted in flight already): taken for one, a burst of
+    local first turns made every later turn's bound the floor (29 `not_held` at chat c32 on the simulators)."""
     dp = decode.data_plane
     running = int(dp.requests_running or 0) if dp else 0
     streams = max(decode.outstanding_requests, running)
     decoding = decode.decoding_streams + max(0, running - decode.outstanding_requests)
-    waiting = int(dp.requests_queued) if dp else 0
+    waiting = max(0, int(dp.requests_queued) - decode.local_prefills) if dp else 0
     return local_bound(cap, itl_budget_ms / 1000, prefill_tokens_per_s, streams=streams, waiting=waiting,
                        in_flight=decode.local_prefill_tokens, decoding=decoding, else_whole_prefill=else_whole_prefill)

@@ -81,6 +81,7 @@ class DecodeLeg:
             turn.local_ahead = turn.decode.local_prefill_tokens
             turn.local_prefill = (turn.decode, len(turn.req.prompt_ids) - turn.reused_tokens)
             turn.decode.local_prefill_tokens += turn.local_prefill[1]
+            turn.decode.local_prefills += 1
         try:
             stream = await self.calls.leg("decode", turn.decode, self.client.open_stream(
                 turn.decode.url, turn.req.endpoint, body,
@@ -165,6 +166,7 @@ def _prefilled(turn: Turn) -> None:
     if turn.local_prefill is not None:
         engine, tokens = turn.local_prefill
         engine.local_prefill_tokens -= tokens
+        engine.local_prefills -= 1
         turn.local_prefill = None
 
 
