@@ -35,7 +35,7 @@ FIELD = re.compile(r"(\w+)=(\S+)")
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--turns", type=int, default=8)
-    ap.add_argument("--words", type=int, default=260, help="words per prompt (the tiny model's max length is 2048)")
+    ap.add_argument("--words", type=int, default=200, help="word groups per prompt (about 1,750 tokens at 200; the tiny model's max length is 2048)")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     python = subprocess.run([str(ROOT / "scripts" / "vllm-env")], capture_output=True, text=True,
@@ -72,7 +72,7 @@ async def one_round(r: int, gateway: Server, colocated: Engine, args: argparse.N
         alone = await asyncio.gather(*(ttft(http, colocated.url, p, None, began, salt) for p in prompts))
     await asyncio.sleep(0.5)                           # the turns' log lines are written after their last byte
     legs = turn_lines(gateway.log())
-    print(f"\nround {r}: {args.turns} first turns at once, about {args.words * 3} words each")
+    print(f"\nround {r}: {args.turns} first turns at once, {args.words} word groups each")
     print(f"{'turn':>4} {'plan':>18} {'p_ms':>7} {'d_first_ms':>10} {'own_ms':>6} {'ttft_ms':>7}   co-located ttft_ms")
     rows = sorted(zip(ids, through, alone), key=lambda row: float(legs.get(row[0], {}).get("p_ms", 0)))
     for n, (rid, t, c) in enumerate(rows):
@@ -90,7 +90,8 @@ async def ttft(http: aiohttp.ClientSession, url: str, prompt: str, request_id: s
             "stream": True, "temperature": 0.0, **({"cache_salt": salt} if salt else {})}
     headers = {"X-Request-Id": request_id} if request_id else {}
     async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as resp:
-        resp.raise_for_status()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
         async for line in resp.content:
             if line.startswith(b"data: ") and b'"content"' in line:
                 first = time.perf_counter() - began
