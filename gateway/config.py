@@ -2,23 +2,24 @@
 
 Precedence: flags > environment > file > defaults. The file is `--config FILE` (or `PDGW_CONFIG`). Invalid
 configuration (a bad value, an unknown key or variable, a malformed URL) raises `ConfigError` naming the
-setting and where its value came from. Nothing here imports other gateway modules.
+setting and where its value came from. Nothing here imports other gateway modules but the leaf urls.py (the
+URLs' checks).
 """
 
 from __future__ import annotations
 
 import difflib
 import hashlib
-import ipaddress
 import os
 import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, NamedTuple
-from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 import yaml
+
+from gateway.urls import MASK, check_dns_entry, check_url, mask_url, nameserver
 
 DEFAULT_PORT = 8000
 DEFAULT_TOKENIZER = "builtin:demo"
@@ -44,7 +45,6 @@ DEFAULT_DISCOVERY_INTERVAL_S = 5.0
 DEFAULT_TENANT = "default"
 ENV_PREFIX = "PDGW_"
 CONFIG_ENV = "PDGW_CONFIG"       # names the settings file when --config is not given
-MASK = "***"
 
 StreamHandlePolicy = Literal["miss", "buffer"]
 HistoryTokens = Literal["rendered", "generated"]
@@ -166,9 +166,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         self._check_models()
         for name in ("prefill", "decode"):
             for url in getattr(self, name):
-                _check_url(name, url, ("http", "https", "dns"))
+                check_url(name, url, ("http", "https", "dns"))
                 if url.startswith("dns:"):
-                    _check_dns_entry(name, url)
+                    check_dns_entry(name, url)
         if self.discovery_nameserver is not None:
             nameserver(self.discovery_nameserver)
         if self.metrics_port is not None and self.metrics_port == self.port:
@@ -188,9 +188,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ValueError(f"kv_events: {entry!r}: the endpoint must be tcp://*:PORT (the engine's own host; "
                                  "for a dns:// entry the only form), tcp://HOST:PORT or ipc://PATH")
         if self.redis_url is not None:
-            _check_url("redis_url", self.redis_url, ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster"))
+            check_url("redis_url", self.redis_url, ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster"))
         if self.otlp_endpoint is not None:
-            _check_url("otlp_endpoint", self.otlp_endpoint, ("http", "https"))
+            check_url("otlp_endpoint", self.otlp_endpoint, ("http", "https"))
             if self.tracing == "off":
                 self.tracing = "otlp"
         if self.decoder_kv_blocks_ttl_s and self.handle_ttl_margin_s >= self.decoder_kv_blocks_ttl_s:
@@ -260,50 +260,6 @@ FIELDS: dict[str, Any] = {f.name: f.type for f in msgspec.structs.fields(Setting
 SECRETS = ("admin_key", "api_keys")
 FILE_ONLY = ("models",)          # settings a flag or a variable cannot hold
 URL_FIELDS = ("prefill", "decode", "redis_url", "otlp_endpoint")
-
-
-def _check_url(name: str, url: str, schemes: tuple[str, ...]) -> None:
-    try:
-        parts = urlsplit(url)
-        if "," not in parts.netloc:      # Sentinel URLs list several host:port pairs
-            parts.port  # noqa: B018  (raises ValueError on a malformed port)
-    except ValueError:
-        raise ValueError(f"{name}: {mask_url(url)!r} is not a valid URL") from None
-    if parts.scheme not in schemes or not (parts.hostname or parts.scheme == "unix" and parts.path):
-        raise ValueError(f"{name}: {mask_url(url)!r} is not a valid URL (scheme must be {' or '.join(schemes)})")
-
-
-def _check_dns_entry(name: str, url: str) -> None:
-    """`dns://NAME:PORT`: a name whose A records are the engines, all serving HTTP on PORT."""
-    parts = urlsplit(url)
-    if parts.port is None or parts.path.strip("/") or parts.query or parts.username:
-        raise ValueError(f"{name}: {url!r}: a dns:// entry is dns://NAME:PORT (the engines' HTTP port), "
-                         "nothing after the port")
-
-
-def nameserver(value: str) -> tuple[str, int]:
-    """`--discovery-nameserver`: `IP`, `IP:PORT` or `[IPv6]:PORT` → (IP, port); a nameserver is given by address."""
-    try:
-        parts = urlsplit("//" + value)
-        host, port = parts.hostname or "", parts.port or 53
-        ipaddress.ip_address(host)
-    except ValueError:
-        raise ValueError(f"discovery_nameserver: {value!r} is not IP[:PORT] (a nameserver is given by its "
-                         "address)") from None
-    return host, port
-
-
-def mask_url(url: str) -> str:
-    """`redis://user:secret@host/0` → `redis://user:***@host/0`: a password never reaches a log or a screen."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return url
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    netloc = f"{user}:{MASK}@{parts.netloc.rpartition('@')[2]}"
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def schema() -> str:

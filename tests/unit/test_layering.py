@@ -18,7 +18,7 @@ ALLOWED = {
     "sim": set(),
     "verify": {"engines"},          # the KV-handle protocol and the /metrics reader, for its controls
 }
-LEAVES = {"errors", "config", "telemetry", "tracing"}
+LEAVES = {"errors", "config", "urls", "telemetry", "tracing"}
 # turns/ sub-package → the turns sub-packages it may import (besides itself), and the gateway packages
 TURNS_ORDER = ["intake", "reuse", "legs", "state", "run"]
 TURNS_PACKAGES = {"intake": {"store"}, "reuse": {"engines", "store"}, "legs": {"engines", "store"},
@@ -186,8 +186,9 @@ def test_transformers_only_in_render_and_sim():
 
 
 @pytest.mark.parametrize("leaf", sorted(LEAVES))
-def test_leaf_modules_import_no_gateway_module(leaf):
-    assert not [n for n in imports(ROOT / f"{leaf}.py") if n.startswith("gateway")]
+def test_leaf_modules_import_no_gateway_module_but_leaves(leaf):
+    assert not [n for n in imports(ROOT / f"{leaf}.py")
+                if n.startswith("gateway") and n.removeprefix("gateway.") not in LEAVES]
 
 
 # The seams (issue 39): what crosses them goes through one module on each side.
