@@ -34,6 +34,7 @@ HELP = {
     "kv_events": "ENGINE_URL=tcp://HOST:PORT (repeatable): subscribe to that engine's KV events (vLLM --kv-events-config) to know what its prefix cache holds; HOST * is the engine's own host; dns://NAME:PORT=tcp://*:PORT covers every engine that pool entry finds",
     "local_prefill_max_tokens": "the local path's cap: a warm turn goes to the holder D alone when D computes at most this many tokens and D's headroom allows (0: off)",
     "local_first_turns": "a turn with nothing to reuse (a first turn, no session) goes to D alone when its whole prompt is within the local bound, as a co-located engine serves it: no P leg, no KV hand-over",
+    "decode_handover_limit": "at most this many D legs of the P path per D waiting for their first token (D reading P's KV), the rest sent in arrival order; 0: no limit",
     "local_itl_budget_ms": "what local prefills in flight on a D may add to a step of its running streams (with the learned prefill rate, the local bound while D decodes)",
     "conversation_ttl_s": "forget a conversation this long after its last turn",
     "decode_pin_budget": "fraction of each D's KV blocks the stored handles may pin; over it the least recently used idle ones are released (0: off, TTL only)",

@@ -131,6 +131,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     local_prefill_max_tokens: Annotated[int, msgspec.Meta(ge=0)] = DEFAULT_LOCAL_PREFILL_MAX_TOKENS  # 0: off
     local_itl_budget_ms: Annotated[float, msgspec.Meta(ge=0)] = DEFAULT_LOCAL_ITL_BUDGET_MS
     local_first_turns: bool = False                # a turn with nothing to reuse: D alone within the local bound
+    decode_handover_limit: Annotated[int, msgspec.Meta(ge=0)] = 0   # P-path D legs reading P's KV per D; 0: any
     rate_probe_tokens: Annotated[int, msgspec.Meta(ge=0)] = 8192  # the cost plan's calibration read; 0: no probes
     rate_probe_interval_s: Seconds = 300.0         # ... repeated this often per P-D pair
     prefill_affinity: bool = True                  # prefer the P that prefilled the conversation's last turn

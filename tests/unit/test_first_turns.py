@@ -63,7 +63,7 @@ def test_a_local_leg_learns_its_fixed_part_net_of_the_prefills_ahead_of_it():
     queue, not a fixed part of the local path (taken for one, it sent the later turns the P path, 221 of 222 at
     chat c32 on the simulators)."""
     rates = learned()
-    leg = DecodeLeg(client=None, calls=None, outcome=None, rates=rates, metrics=None, settings=None)
+    leg = DecodeLeg(client=None, calls=None, outcome=None, rates=rates, metrics=None, settings=Settings())
     turn = first_turn(Engine(D, "decode"))
     turn.plan, turn.local_ahead = plans.whole_prompt_local(turn.plan, False), 4000
     leg._learn(turn, 0.1)

@@ -31,11 +31,31 @@ from gateway.turns.run.turn import Turn, TurnReply
 _encode = msgspec.json.Encoder().encode
 
 
+class Handovers:
+    """Per D, the P path's D legs waiting for their first token while D reads P's KV: at most `limit` at once
+    (`--decode-handover-limit`; 0: no limit), the rest sent in arrival order. On the H200 a burst's reads on D
+    progressed together and finished together, after P's last answer (bench/GPU-RESULTS.md, "Where a burst's
+    first turns wait"); a few at a time, they finish in order at the same total."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._gates: dict[str, asyncio.Semaphore] = {}
+
+    async def enter(self, turn: Turn) -> None:
+        """Before a P-path D leg is sent (pull mode: a push pair's D leg must register before P writes)."""
+        if self.limit <= 0 or turn.plan.local or turn.pair is not None:
+            return
+        gate = self._gates.setdefault(turn.decode.url, asyncio.Semaphore(self.limit))
+        await gate.acquire()
+        turn.handover = gate
+
+
 class DecodeLeg:
     def __init__(self, client: EngineClient, calls: EngineCalls, outcome: TurnOutcome, rates: Rates,
                  metrics: Metrics, settings: Settings) -> None:
         self.client, self.calls, self.outcome, self.rates = client, calls, outcome, rates
         self.metrics, self.settings = metrics, settings
+        self.handovers = Handovers(settings.decode_handover_limit)
 
     async def run(self, turn: Turn, body: dict[str, Any]) -> TurnReply:
         """D's leg with the body the transfer protocol built (`TransferProtocol.decode_body`)."""
@@ -52,10 +72,14 @@ class DecodeLeg:
         body["stream"] = False
         body.pop("stream_options", None)
         clock = turn.req.clock
-        with turn.decode.running(len(turn.req.prompt_ids)), _decoding(turn.decode):
-            response = await self.calls.leg("decode", turn.decode, self.client.post_json(
-                turn.decode.url, turn.req.endpoint, body, timeout_s=self._first_byte_s(turn),
-                headers=turn.leg_headers("decode"), on_sent=clock.decode_out, on_answer=clock.decode_in))
+        await self.handovers.enter(turn)
+        try:
+            with turn.decode.running(len(turn.req.prompt_ids)), _decoding(turn.decode):
+                response = await self.calls.leg("decode", turn.decode, self.client.post_json(
+                    turn.decode.url, turn.req.endpoint, body, timeout_s=self._first_byte_s(turn),
+                    headers=turn.leg_headers("decode"), on_sent=clock.decode_out, on_answer=clock.decode_in))
+        finally:
+            _prefilled(turn)
         self.outcome.release_held_back(turn)
         self.outcome.observe("decode_ttft", began)
         capture = DecodeCapture(cached_tokens=turn.cached_tokens)
@@ -76,6 +100,7 @@ class DecodeLeg:
 
     async def open_stream(self, turn: Turn, body: dict[str, Any]) -> tuple[EngineStream, float]:
         """D's streamed leg, up to its response headers (and when it was sent)."""
+        await self.handovers.enter(turn)
         sent = time.perf_counter()
         if turn.plan.local:              # D's headroom counts it until its first token (reuse/headroom.py)
             turn.local_ahead = turn.decode.local_prefill_tokens
@@ -162,7 +187,11 @@ class DecodeLeg:
 
 
 def _prefilled(turn: Turn) -> None:
-    """A local leg's tokens no longer count as D's prefill in flight (its first token came, or it ended)."""
+    """A local leg's tokens no longer count as D's prefill in flight, and a P-path leg's hand-over slot is free
+    (its first token came, or it ended)."""
+    if turn.handover is not None:
+        turn.handover.release()
+        turn.handover = None
     if turn.local_prefill is not None:
         engine, tokens = turn.local_prefill
         engine.local_prefill_tokens -= tokens

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
@@ -54,6 +55,7 @@ class Turn:
     headroom: Headroom | None = None                   # the local bound and what D's load made it (logged)
     local_prefill: tuple[Engine, int] | None = None    # a local leg's tokens counted on its D until its first token
     local_ahead: int = 0                               # ... and the local tokens D was prefilling when it was sent
+    handover: asyncio.Semaphore | None = None          # a P-path D leg's slot on its D until its first token
 
     def take(self, setback: LegSetback, step: Replan) -> None:
         """Apply the planner's answer to a setback: exclude the engine, spend a retry (or give up)."""
