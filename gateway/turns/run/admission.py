@@ -1,7 +1,10 @@
 """Per-gateway bounds: turns in flight and prompt tokens waiting for their prefill. Beyond them a turn is
-refused at once with 429 and Retry-After, rather than queued in unbounded memory."""
+refused at once with 429 and Retry-After, rather than queued in unbounded memory. And per D, the P path's D legs
+waiting for their first token (`Handovers`): beyond that bound a leg waits its turn."""
 
 from __future__ import annotations
+
+import asyncio
 
 from gateway.errors import OverloadedError
 
@@ -40,3 +43,38 @@ class Ticket:
             self._open = False
             self.prefilled()
             self._admission.turns -= 1
+
+
+class Handovers:
+    """Per D, the P path's D legs waiting for their first token while D reads P's KV: at most `limit` at once
+    (`--decode-handover-limit`; 0: no limit), the rest sent in arrival order. On the H200 a burst's reads on D
+    progressed together and finished together, after P's last answer (bench/GPU-RESULTS.md, "Where a burst's
+    first turns wait"); a few at a time, they finish in order at the same total."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._gates: dict[str, asyncio.Semaphore] = {}
+
+    async def enter(self, decode: str, first_byte_s: float) -> Slot | None:
+        """Before a P-path D leg is sent to `decode` (None: no limit). The slot is freed at the first token or the
+        leg's end, and at the latest when no first token can come any more (a stream no one read to its end must
+        not hold it for good)."""
+        if self.limit <= 0:
+            return None
+        gate = self._gates.setdefault(decode, asyncio.Semaphore(self.limit))
+        await gate.acquire()
+        return Slot(gate, first_byte_s)
+
+
+class Slot:
+    """One D leg's place among its D's hand-overs: released once, by the leg or by its timer."""
+
+    def __init__(self, gate: asyncio.Semaphore, within_s: float) -> None:
+        self._gate: asyncio.Semaphore | None = gate
+        self._timer = asyncio.get_running_loop().call_later(within_s, self.release)
+
+    def release(self) -> None:
+        if self._gate is not None:
+            self._gate.release()
+            self._gate = None
+            self._timer.cancel()

@@ -23,31 +23,13 @@ from gateway.turns.legs import chunks
 from gateway.turns.legs.capture import DecodeCapture
 from gateway.turns.legs.restream import restream
 from gateway.turns.intake.request import TurnRequest
+from gateway.turns.run.admission import Handovers
 from gateway.turns.run.outcome import TurnOutcome
 from gateway.turns.reuse.plan import Reason
 from gateway.turns.reuse.rates import DecodeTiming, Rates
 from gateway.turns.run.turn import Turn, TurnReply
 
 _encode = msgspec.json.Encoder().encode
-
-
-class Handovers:
-    """Per D, the P path's D legs waiting for their first token while D reads P's KV: at most `limit` at once
-    (`--decode-handover-limit`; 0: no limit), the rest sent in arrival order. On the H200 a burst's reads on D
-    progressed together and finished together, after P's last answer (bench/GPU-RESULTS.md, "Where a burst's
-    first turns wait"); a few at a time, they finish in order at the same total."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._gates: dict[str, asyncio.Semaphore] = {}
-
-    async def enter(self, turn: Turn) -> None:
-        """Before a P-path D leg is sent (pull mode: a push pair's D leg must register before P writes)."""
-        if self.limit <= 0 or turn.plan.local or turn.pair is not None:
-            return
-        gate = self._gates.setdefault(turn.decode.url, asyncio.Semaphore(self.limit))
-        await gate.acquire()
-        turn.handover = gate
 
 
 class DecodeLeg:
@@ -72,7 +54,7 @@ class DecodeLeg:
         body["stream"] = False
         body.pop("stream_options", None)
         clock = turn.req.clock
-        await self.handovers.enter(turn)
+        await self._handover(turn)
         try:
             with turn.decode.running(len(turn.req.prompt_ids)), _decoding(turn.decode):
                 response = await self.calls.leg("decode", turn.decode, self.client.post_json(
@@ -100,7 +82,7 @@ class DecodeLeg:
 
     async def open_stream(self, turn: Turn, body: dict[str, Any]) -> tuple[EngineStream, float]:
         """D's streamed leg, up to its response headers (and when it was sent)."""
-        await self.handovers.enter(turn)
+        await self._handover(turn)
         sent = time.perf_counter()
         if turn.plan.local:              # D's headroom counts it until its first token (reuse/headroom.py)
             turn.local_ahead = turn.decode.local_prefill_tokens
@@ -121,6 +103,12 @@ class DecodeLeg:
     def relayed(self, turn: Turn, stream: EngineStream, sent: float) -> TurnReply:
         return TurnReply(turn.reply_headers(self.settings.pd_headers), stream=self._relay(turn, stream, sent),
                          cached_tokens=turn.cached_tokens, session=turn.session)
+
+    async def _handover(self, turn: Turn) -> None:
+        """A P-path D leg waits for its place among its D's hand-overs (pull mode only: a push pair's D leg must
+        register before P writes)."""
+        if not turn.plan.local and turn.pair is None:
+            turn.handover = await self.handovers.enter(turn.decode.url, self._first_byte_s(turn))
 
     def _first_byte_s(self, turn: Turn) -> float:
         """A push pair's D first waits for P's prefill and WRITE: the pair's own deadline (push_leg.py)."""

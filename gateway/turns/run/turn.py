@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
@@ -12,7 +11,7 @@ from gateway.engines.engine import Engine
 from gateway.errors import GatewayError
 from gateway.store import ConversationKey, TurnStart
 from gateway.tracing import NO_TURN, TurnTrace
-from gateway.turns.run.admission import Ticket
+from gateway.turns.run.admission import Slot, Ticket
 from gateway.turns.intake.request import TurnRequest
 from gateway.turns.legs.calls import LegSetback
 from gateway.turns.legs.pair import PushPair
@@ -55,7 +54,7 @@ class Turn:
     headroom: Headroom | None = None                   # the local bound and what D's load made it (logged)
     local_prefill: tuple[Engine, int] | None = None    # a local leg's tokens counted on its D until its first token
     local_ahead: int = 0                               # ... and the local tokens D was prefilling when it was sent
-    handover: asyncio.Semaphore | None = None          # a P-path D leg's slot on its D until its first token
+    handover: Slot | None = None                       # a P-path D leg's slot on its D until its first token
 
     def take(self, setback: LegSetback, step: Replan) -> None:
         """Apply the planner's answer to a setback: exclude the engine, spend a retry (or give up)."""
