@@ -17,17 +17,15 @@ import argparse
 import asyncio
 import re
 import statistics
-import subprocess
-import tempfile
 import time
 import uuid
-from pathlib import Path
 
 import aiohttp
 
 from tests.servers import Server, start
-from tests.vllm.conftest import HANDLE_TTL_MARGIN_S, ROOT
-from tests.vllm.engines import PIN_TTL_S, SERVED_MODEL, Engine, launch, wait_healthy
+from tests.vllm.conftest import HANDLE_TTL_MARGIN_S
+from tests.vllm.engines import PIN_TTL_S, SERVED_MODEL, Engine, wait_healthy
+from tests.vllm.measure_history import pd_and_baseline
 
 FIELD = re.compile(r"(\w+)=(\S+)")
 
@@ -38,13 +36,8 @@ def main() -> None:
     ap.add_argument("--words", type=int, default=200, help="word groups per prompt (about 1,750 tokens at 200; the tiny model's max length is 2048)")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    python = subprocess.run([str(ROOT / "scripts" / "vllm-env")], capture_output=True, text=True,
-                            check=True).stdout.strip().splitlines()[-1]
-    work = Path(tempfile.mkdtemp(prefix="pdgw-burst-"))
-    model = work / "model"
-    subprocess.run([python, str(ROOT / "tests/vllm/make_model.py"), str(model)], check=True, capture_output=True)
-    engines = [launch(python, model, role, name, work) for role, name in
-               (("prefill", "p0"), ("decode", "d0"), ("colocated", "baseline"))]
+    model, engines = pd_and_baseline("pdgw-burst-")
+    work = model.parent
     gateway: Server | None = None
     try:
         wait_healthy(engines)

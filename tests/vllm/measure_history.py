@@ -36,14 +36,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=80)
     args = ap.parse_args()
-    python = subprocess.run([str(ROOT / "scripts" / "vllm-env")], capture_output=True, text=True,
-                            check=True).stdout.strip().splitlines()[-1]
-    work = Path(tempfile.mkdtemp(prefix="pdgw-measure-"))
-    model = work / "model"
-    subprocess.run([python, str(ROOT / "tests/vllm/make_model.py"), str(model),
-                    *(["--unconstrained"] if args.unconstrained else [])], check=True, capture_output=True)
-    engines = [launch(python, model, role, name, work) for role, name in
-               (("prefill", "p0"), ("decode", "d0"), ("colocated", "baseline"))]
+    model, engines = pd_and_baseline("pdgw-measure-", unconstrained=args.unconstrained)
     gateways: dict[str, Server] = {}
     try:
         wait_healthy(engines)
@@ -57,6 +50,19 @@ def main() -> None:
             server.stop()
         for engine in engines:
             engine.stop()
+
+
+def pd_and_baseline(prefix: str, *, unconstrained: bool = False) -> tuple[Path, list[Engine]]:
+    """The tier's tiny model in a fresh folder, and P, D and a co-located engine for it started (not yet
+    healthy: `wait_healthy`)."""
+    python = subprocess.run([str(ROOT / "scripts" / "vllm-env")], capture_output=True, text=True,
+                            check=True).stdout.strip().splitlines()[-1]
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    model = work / "model"
+    subprocess.run([python, str(ROOT / "tests/vllm/make_model.py"), str(model),
+                    *(["--unconstrained"] if unconstrained else [])], check=True, capture_output=True)
+    return model, [launch(python, model, role, name, work) for role, name in
+                   (("prefill", "p0"), ("decode", "d0"), ("colocated", "baseline"))]
 
 
 def run(gateways: dict[str, Server], engines: list[Engine], renderer: Renderer, args) -> list[dict]:
