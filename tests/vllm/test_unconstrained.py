@@ -77,13 +77,26 @@ def test_default_history_reads_d_kv_on_every_turn(engines, free_gateway, free_mo
     assert renderer.decode(c.turns[0].token_ids) == c.turns[0].text + REPLACEMENT
 
 
-def test_rendered_history_loses_d_kv(engines, free_gateway_rendered):
+def test_rendered_history_loses_d_kv(engines, free_gateway_rendered, free_model_dir):
+    """A later turn diverges inside the previous answer wherever that answer's text does not re-tokenize to the ids
+    D generated (most do not; one that does continues, as it should: its history is D's tokens). Under a loaded
+    tier the engines' numerics may give an answer that does: seen once in CI-sized runs, so that case is allowed
+    and checked for what it is."""
+    renderer = Renderer(str(free_model_dir))
     c = free_chat(engines, free_gateway_rendered)
     for question in QUESTIONS[:3]:
         c.say(question)
     c.compare()
+    diverged = 0
     for i, turn in enumerate(c.turns):
         assert turn.exact
-        if i:
-            assert turn.reason == "prefix_diverged" and turn.plan in ("partial", "full")
-            assert turn.prefill_loaded == 0
+        if not i:
+            continue
+        previous = c.turns[i - 1]
+        if renderer.tokenizer.encode(previous.text, add_special_tokens=False) == previous.token_ids:
+            assert (turn.plan, turn.reason) == ("reuse", "continuous")
+            continue
+        assert turn.reason == "prefix_diverged" and turn.plan in ("partial", "full")
+        assert turn.prefill_loaded == 0
+        diverged += 1
+    assert diverged, "no answer of the unconstrained model failed to re-tokenize: is the model unconstrained?"
