@@ -66,3 +66,10 @@ async def test_a_finish_the_store_refused_still_releases_its_handle():
     await state.record(request(20), KEY, found.start, Plan(PlanKind.FULL, Reason.FIRST_TURN), Served("http://p0", D),
                        capture(20, 1, 1))
     assert releaser.released == [(20, "superseded")]
+
+
+async def test_a_handle_whose_finish_reply_is_lost_still_counts_in_d_s_pin_budget():
+    """Else the ledger would admit more pins than D's budget while the unanswered one may be in the store."""
+    state, _ = make_state(LostReplies("finish_turn"))
+    await turn(state, KEY)
+    assert state.pins.pins is not None and state.pins.pins.pinned_tokens(D) == 16

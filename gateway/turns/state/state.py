@@ -152,7 +152,7 @@ class ConversationState:
             stored = None
         if handle and stored is False:
             self.releaser.release(handle, "superseded")
-        if handle and stored:
+        if handle and stored is not False:      # unanswered: it may be in the store, so D's budget counts it
             self.pins.stored(served.decode, session, start.turn, handle, now, expires_at)
         if stored and (handle or findable):
             self.finder.recent.stored(session, start.turn, record)     # the next sessionless turn's first try
