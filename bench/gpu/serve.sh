@@ -14,7 +14,8 @@
 # PD mode over P and D (stateless PD), and R2 :8011, vllm-router's cache_aware routing over C1 and C2.
 # KV_EVENTS=1: P and D publish their prefix caches' changes (vLLM --kv-events-config, ZMQ on :5557 and :5558) and
 # G4 subscribes (--kv-events); an engine that fails to start with the publisher is started again without it.
-# G4_FLAGS: more flags for G4 (e.g. --local-first-turns).
+# G4_FLAGS: more flags for G4 (e.g. --local-first-turns). COLOC2=0: no C1, C2, R2 (a GPU of 80 GB: the coloc2 arm
+# left out).
 #
 #   MODEL=/path/to/model bash bench/gpu/serve.sh
 # Settings (environment):
@@ -111,9 +112,12 @@ start_engine D "${D_GPU:-0}" 5700 kv_consumer decode-0
 ENGINES="P D C"
 if [ "${LOAD_ARMS:-0}" = 1 ]; then
   start_engine C "${C_GPU:-0}" "" "" "" "${C_KV_GIB:-$(( 2 * ${KV_GIB:-20} ))}"
-  start_engine C1 "${C_GPU:-0}" "" "" ""
-  start_engine C2 "${C_GPU:-0}" "" "" ""
-  ENGINES="P D C C1 C2"
+  ENGINES="P D C"
+  if [ "${COLOC2:-1}" = 1 ]; then
+    start_engine C1 "${C_GPU:-0}" "" "" ""
+    start_engine C2 "${C_GPU:-0}" "" "" ""
+    ENGINES="P D C C1 C2"
+  fi
 else
   start_engine C "${C_GPU:-0}" "" "" ""
 fi
@@ -173,8 +177,11 @@ if [ "${LOAD_ARMS:-0}" = 1 ]; then
   if [ -n "${ROUTER:-}" ]; then
     start_router R1 --vllm-pd-disaggregation --policy round_robin --prefill http://127.0.0.1:8100 \
       --decode http://127.0.0.1:8200
-    start_router R2 --policy cache_aware --worker-urls http://127.0.0.1:8301 http://127.0.0.1:8302
-    GATEWAYS="$GATEWAYS R1 R2"
+    GATEWAYS="$GATEWAYS R1"
+    if [ "${COLOC2:-1}" = 1 ]; then
+      start_router R2 --policy cache_aware --worker-urls http://127.0.0.1:8301 http://127.0.0.1:8302
+      GATEWAYS="$GATEWAYS R2"
+    fi
   fi
 fi
 for n in $GATEWAYS; do
