@@ -25,7 +25,7 @@ GATEWAY=(litestar==2.25.0 litestar-htmx==0.5.0 msgspec==0.23.0 multipart==2.0.1 
          redis==8.1.0 hiredis==3.5.0 aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 attrs==26.1.0
          frozenlist==1.8.0 multidict==7.2.1 propcache==0.5.4 yarl==1.25.1 prometheus-client==0.26.0
          uvicorn==0.55.0 h11==0.16.0 httptools==0.9.0 uvloop==0.23.0 websockets==17.4 watchfiles==1.3.0
-         python-dotenv==1.2.4 pyyaml==6.0.4 markupsafe==3.0.4 dnspython==2.8.0)
+         python-dotenv==1.2.4 pyyaml==6.0.4 markupsafe==3.0.4 dnspython==2.8.0 pyzmq==27.3.0)
 # compare.py: the naive proxy (FastAPI + httpx), vllm-router (and its launcher's imports), the CPU meter, py-spy.
 BENCH=(fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
        typing-inspection==0.4.5 annotated-doc==0.0.7 opentelemetry-api==1.45.2
