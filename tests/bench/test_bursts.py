@@ -19,7 +19,10 @@ def lines(turns: list[tuple[float, float, float, float]]) -> list[str]:
     log.addHandler(handler), log.setLevel(logging.INFO)
     ended_at = [turns[0][0]]
     stamp = logging.Filter()
-    stamp.filter = lambda record: setattr(record, "created", ended_at[0]) or True   # type: ignore[method-assign]
+    def at(record: logging.LogRecord) -> bool:     # the time stamp is `created`'s, its milliseconds `msecs`'
+        record.created, record.msecs = ended_at[0], ended_at[0] % 1 * 1000
+        return True
+    stamp.filter = at   # type: ignore[method-assign]
     log.addFilter(stamp)
     try:
         for ended, seconds, p_ms, d_ms in turns:
