@@ -3,9 +3,10 @@ prompt size (1k to 32k tokens), through pd-gateway in front of
 - `pull`: P and D on the NixlConnector (P answers, then D's leg is sent and D reads P's blocks: serial legs);
 - `push`: P and D on the NixlPushConnector (`--kv-transfer-mode push --no-bidirectional`: both legs sent at
   once, D registers its blocks with P, P writes them when its prefill is done; docs/protocol.md §8).
-Both pairs have the same timing model, under two profiles: `h200`, the timing of bench/local.py (a pull read costs
-40 ms before its blocks, as D's leg after P took 50-73 ms on the H200: D's scheduling and NIXL's read set-up),
-and `wire`, blocks only (no fixed cost per read), where push gains only the overlap of D's leg with P's prefill.
+Both pairs have the same timing model, under two profiles: `h200`, the timing of bench/local.py (a transfer costs
+40 ms before its blocks, a pull read and a push write alike: D's leg after P took 50-73 ms on the H200, and push
+saved only 6-15 ms of it at 1.3k-4.3k tokens), and `wire`, blocks only. Either way push gains the overlap of D's
+leg (its request, its blocks allocated, its registration) with P's prefill.
 
     python bench/push.py            # 5 repetitions, writes its section into bench/RESULTS.md
     python bench/push.py --quick    # 3 repetitions
@@ -93,8 +94,8 @@ def report(result: dict[tuple[str, str, int], float], corrupt: int, sizes: tuple
     lines = [SECTION, "",
              f"Run {datetime.date.today()}, {seconds:.0f} s, {reps} repetitions (medians), simulated engines "
              f"`{' '.join(ENGINE)}`, prefill 50k tokens/s, blocks of 16 tokens moved at 0.05 ms each. First-turn "
-             "TTFT (ms) through pd-gateway; `h200` adds vLLM's fixed cost of a pull read (40 ms), `wire` has "
-             "none (push then gains only the overlap of D's leg with P's prefill):", "",
+             "TTFT (ms) through pd-gateway; `h200` adds a transfer's fixed cost (40 ms: a pull read's, a push "
+             "write's), `wire` has none; push gains the overlap of D's leg with P's prefill:", "",
              "| prompt | h200 pull | h200 push | push / pull | wire pull | wire push | push / pull |",
              "|---|---|---|---|---|---|---|"]
     ratio = {}
@@ -106,10 +107,10 @@ def report(result: dict[tuple[str, str, int], float], corrupt: int, sizes: tuple
             cells += [f"{pull:.1f}", f"{pushed:.1f}", f"{ratio[(p, size)]:.2f}"]
         lines.append(f"| {k(size)} | " + " | ".join(cells) + " |")
     lines += ["", f"Corrupt KV reads (the simulator's oracle, both modes): {corrupt}. vLLM reports 1.2-3.0x better "
-              "TTFT for push when the router sends both legs at once; here the gain is what the timing model "
-              "gives (the fixed read cost is a measured pull figure). On the H200 (bench/GPU-RESULTS.md, \"Push vs "
-              "pull\") push was 1.05-1.21x faster at every size from 1.3k to 32k tokens. `wire` is the control: "
-              "without a hand-over cost to hide, push and pull are within noise of each other. "
+              "TTFT for push when the router sends both legs at once; on the H200 (bench/GPU-RESULTS.md, \"Push vs "
+              "pull\") push was 1.05-1.21x faster at every size from 1.3k to 32k tokens, and D's hand-over took "
+              "about as long in either mode, so the simulators charge a push write the pull read's fixed cost "
+              "(until 2026-12-05 they did not, and showed push at 0.56-0.95x pull). "
               "`push_faster_everywhere` judges the `h200` profile.", ""]
     measured = [r for (p, _), r in ratio.items() if p == "h200" and r == r]
     lo, hi = min(sizes), max(sizes)

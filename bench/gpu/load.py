@@ -261,6 +261,9 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--sim", action="store_true", help="start timed simulators, gateways and vllm-router here")
     ap.add_argument("--gateway-flag", action="append", default=[], metavar="=--FLAG",
                     help="with --sim: one more flag for the gateway (write --gateway-flag=--local-first-turns)")
+    ap.add_argument("--kv-mode", choices=["pull", "push"], default="pull",
+                    help="with --sim: the gateway arm's P and D in push mode (P writes each prompt's KV into D's "
+                    "blocks as it finishes; no bidirectional transfer, so D's KV is reused by the local path only)")
     ap.add_argument("--quick", action="store_true", help="with --sim: a few minutes")
     ap.add_argument("--smoke", action="store_true", help="with --sim: the CI size (about 2 minutes)")
     ap.add_argument("--faults", action="store_true", help="the faults step: on simulators with --sim "

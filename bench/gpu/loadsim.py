@@ -45,10 +45,13 @@ def run_on_sims(args: argparse.Namespace, run: Callable[..., dict[str, Any]]) ->
     args.model, args.title = "demo", f"load bench on timed simulators ({size})"
     args.turn_timeout_s = min(args.turn_timeout_s, 60.0)
     flags = [*ENGINE, *TIMING]
+    pd_flags = [*flags, *EVENTS, "--num-blocks", str(blocks)]
+    if args.kv_mode == "push":
+        pd_flags += ["--kv-transfer-mode", "push", "--no-bidirectional"]
     with Servers() as s:
         p, d, c, c1, c2, p0, d0 = s.sims([
-            ("prefill", "load-p", [*flags, *EVENTS, "--num-blocks", str(blocks)]),
-            ("decode", "load-d", [*flags, *EVENTS, "--num-blocks", str(blocks)]),
+            ("prefill", "load-p", pd_flags),
+            ("decode", "load-d", pd_flags),
             ("colocated", "load-c", [*flags, "--num-blocks", str(2 * blocks)]),
             ("colocated", "load-c1", [*flags, "--num-blocks", str(blocks)]),
             ("colocated", "load-c2", [*flags, "--num-blocks", str(blocks)]),
@@ -65,7 +68,8 @@ def run_on_sims(args: argparse.Namespace, run: Callable[..., dict[str, Any]]) ->
         engines = {stats.GATEWAY: [p.url, d.url], stats.STATELESS: [p0.url, d0.url], stats.COLOC: [c.url],
                    stats.COLOC2: [c1.url, c2.url]}
         note = (f"timed simulators ({' '.join(TIMING)}, batched steps), D {blocks} blocks of 16, lengths x{scale}, "
-                f"gateway: defaults (the flags bench/servers.py sets restored){' '.join(['', *args.gateway_flag])}; "
+                f"gateway: defaults (the flags bench/servers.py sets restored){' '.join(['', *args.gateway_flag])}"
+                f"{', P and D in push mode' if args.kv_mode == 'push' else ''}; "
                 f"stateless PD on its own P and D without bidirectional transfer")
         result = run(args, urls, engines, note)
         oracle = [get_json(e.url + "/sim/stats") for e in (p, d, c, c1, c2, p0, d0)]

@@ -73,7 +73,7 @@ def parser() -> argparse.ArgumentParser:
     a("--push-fault", choices=["none", "fail-prefill", "never-write"], default="none",
       help="push-mode P: its P legs fail with HTTP 500, or it answers but never writes into D's blocks")
     a("--transfer-ms-per-read", type=float, default=0.0,
-      help="a KV read's fixed part (on an H200 D's leg after P took 50-73 ms: bench/GPU-RESULTS.md)")
+      help="a KV read's or push write's fixed part (on an H200 D's leg after P took 50-73 ms: bench/GPU-RESULTS.md)")
     a("--max-num-seqs", type=int, default=256)
     a("--batched-steps", action="store_true",
       help="running requests share the engine's steps: a prefill lengthens the steps other streams decode in")

@@ -56,7 +56,7 @@ class SimSettings(msgspec.Struct, kw_only=True, frozen=True):
     transfer_mode: TransferMode = "pull"
     push_registration_timeout: float | None = None  # None: decoder_kv_blocks_ttl, as vLLM defaults it
     push_fault: PushFault = "none"
-    transfer_ms_per_read: float = 0.0     # a read's fixed part: handshake, the reader's scheduling, notification
+    transfer_ms_per_read: float = 0.0     # a read's (or push write's) fixed part: scheduling, notification
     batched_steps: bool = False           # steps shared by running requests (sim/steps.py); off: each on its own
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = 256

@@ -19,7 +19,7 @@ def test_push_smoke():
     m = SUMMARY.match(push.main(["--smoke", "--out", "-"]))
     assert m, "summary line"
     assert m.group(6) == "0"
-    assert float(m.group(1)) < 1 and m.group(5) == "1"   # the serial hand-over is gone
+    assert float(m.group(1)) < 1 and m.group(5) == "1"   # D's leg overlaps P's prefill (0.91-0.96 here)
 
 
 def test_report_ratios_are_push_over_pull():
