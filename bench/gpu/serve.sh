@@ -112,7 +112,6 @@ start_engine D "${D_GPU:-0}" 5700 kv_consumer decode-0
 ENGINES="P D C"
 if [ "${LOAD_ARMS:-0}" = 1 ]; then
   start_engine C "${C_GPU:-0}" "" "" "" "${C_KV_GIB:-$(( 2 * ${KV_GIB:-20} ))}"
-  ENGINES="P D C"
   if [ "${COLOC2:-1}" = 1 ]; then
     start_engine C1 "${C_GPU:-0}" "" "" ""
     start_engine C2 "${C_GPU:-0}" "" "" ""
