@@ -346,8 +346,8 @@ class KVEventsState:
         known = GaugeMetricFamily("pdgw_kv_events_knowledge", "1 for what the gateway knows of each engine's cache: "
                                   "complete, partial (events lost: positives only) or unknown",
                                   labels=["pool", "engine", "knowledge"])
-        gaps = CounterMetricFamily("pdgw_kv_events_gaps", "Times events were found lost (a gap in the sequence "
-                                   "numbers, a late join, a restart)", labels=["pool", "engine"])
+        gaps = CounterMetricFamily("pdgw_kv_events_gaps", "Times a batch's sequence number showed events lost "
+                                   "(a gap, or an engine restarted: its numbers from 0 again)", labels=["pool", "engine"])
         for pool, engine, count, knowledge, lost in rows:
             blocks.add_metric([pool, engine], float(count))
             for state in self.KNOWLEDGE:
