@@ -9,30 +9,32 @@ from bench.gpu import bursts
 from gateway.telemetry import TEXT_FORMAT, log_turn
 
 
+class _Capture(logging.Handler):
+    """Formats each record as the gateway's text log does, stamped with the time the test gives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fmt, self.at, self.lines = logging.Formatter(TEXT_FORMAT), 0.0, []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        record.created, record.msecs = self.at, self.at % 1 * 1000     # asctime reads both
+        self.lines.append(self.fmt.format(record))
+
+
 def lines(turns: list[tuple[float, float, float, float]]) -> list[str]:
     """(ended, seconds, p_ms, d_first_ms) per first turn, as the gateway logs them."""
-    out: list[str] = []
-    fmt = logging.Formatter(TEXT_FORMAT)
-    handler = logging.Handler()
-    handler.emit = lambda record: out.append(fmt.format(record))   # type: ignore[method-assign]
-    log = logging.getLogger("gateway.turn")
-    log.addHandler(handler), log.setLevel(logging.INFO)
-    ended_at = [turns[0][0]]
-    stamp = logging.Filter()
-    def at(record: logging.LogRecord) -> bool:     # the time stamp is `created`'s, its milliseconds `msecs`'
-        record.created, record.msecs = ended_at[0], ended_at[0] % 1 * 1000
-        return True
-    stamp.filter = at   # type: ignore[method-assign]
-    log.addFilter(stamp)
+    log, capture = logging.getLogger("gateway.turn"), _Capture()
+    level = log.level
+    log.addHandler(capture), log.setLevel(logging.INFO)
     try:
         for ended, seconds, p_ms, d_ms in turns:
-            ended_at[0] = ended
+            capture.at = ended
             log_turn(log, request_id="r", plan="full", reason="first_turn", reused=0, computed=900,
                      seconds=seconds, p_ms=p_ms, d_first_ms=d_ms, own_ms=1.0)
         log_turn(log, request_id="r", plan="local", reason="short_suffix", reused=900, computed=9, seconds=0.1)
     finally:
-        log.removeHandler(handler), log.removeFilter(stamp)
-    return out
+        log.removeHandler(capture), log.setLevel(level)
+    return capture.lines
 
 
 def test_a_burst_whose_first_tokens_wait_for_p_s_last_answer():
