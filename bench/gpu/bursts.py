@@ -27,15 +27,22 @@ class FirstTurn:
     d_first_ms: float
 
 
+def turn_line(line: str) -> tuple[float, dict[str, str]] | None:
+    """A gateway turn line's time stamp and `key=value` fields (telemetry.log_turn, text format); None: another line."""
+    if not (m := _LINE.match(line)):
+        return None
+    ended = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    return ended, dict(kv.split("=", 1) for kv in m.group(2).split() if "=" in kv)
+
+
 def first_turns(lines: list[str]) -> list[FirstTurn]:
     out = []
     for line in lines:
-        if not (m := _LINE.match(line)):
+        if (parsed := turn_line(line)) is None:
             continue
-        fields = dict(kv.split("=", 1) for kv in m.group(2).split() if "=" in kv)
+        ended, fields = parsed
         if fields.get("reason") != "first_turn" or "p_ms" not in fields or "d_first_ms" not in fields:
             continue
-        ended = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
         p, d = float(fields["p_ms"]) / 1e3, float(fields["d_first_ms"]) / 1e3
         out.append(FirstTurn(ended - float(fields["seconds"]), p, p + d, float(fields["d_first_ms"])))
     return sorted(out, key=lambda t: t.began)

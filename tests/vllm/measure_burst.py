@@ -15,20 +15,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
 import statistics
 import time
 import uuid
 
 import aiohttp
 
+from bench.gpu.bursts import turn_line
 from tests.servers import Server, start
 from tests.vllm.conftest import HANDLE_TTL_MARGIN_S
 from tests.vllm.engines import PIN_TTL_S, SERVED_MODEL, Engine, wait_healthy
 from tests.vllm.measure_history import pd_and_baseline
-
-FIELD = re.compile(r"(\w+)=(\S+)")
-
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -96,12 +93,8 @@ async def ttft(http: aiohttp.ClientSession, url: str, prompt: str, request_id: s
 
 def turn_lines(log: str) -> dict[str, dict[str, str]]:
     """The gateway's turn log lines by request id."""
-    out = {}
-    for line in log.splitlines():
-        if " turn " in line and "request_id=" in line:
-            fields = dict(FIELD.findall(line))
-            out[fields["request_id"]] = fields
-    return out
+    parsed = (turn_line(line) for line in log.splitlines())
+    return {fields["request_id"]: fields for _, fields in filter(None, parsed) if "request_id" in fields}
 
 
 if __name__ == "__main__":
