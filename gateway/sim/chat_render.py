@@ -5,12 +5,15 @@ The simulator never uses the gateway's renderer: it is the independent side of e
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
 from transformers import AutoTokenizer
+
+from gateway.sim.hermes_tools import prompt_tool_rounds
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "tokenizers"
@@ -47,6 +50,35 @@ class Renderer:
         except (ValueError, TypeError, KeyError, TemplateError) as exc:
             raise RenderError(str(exc)) from exc
         return self.encode(text)
+
+    @functools.cached_property
+    def turn_headers(self) -> tuple[str, str] | None:
+        """The text between one turn's content and the next user's, and the next assistant's, in this template
+        (learned by rendering marks); None where the template does not render them in order."""
+        marks = ("\ue000q", "\ue000a", "\ue000r")          # private-use characters no conversation holds
+        roles = ("user", "assistant", "user")
+        try:
+            text = self.tokenizer.apply_chat_template([{"role": r, "content": m} for r, m in zip(roles, marks)],
+                                                      tokenize=False, chat_template=self.chat_template)
+        except (ValueError, TypeError, KeyError, TemplateError):
+            return None
+        q, a, r = (text.find(m) for m in marks)
+        if not 0 <= q < a < r:
+            return None
+        return text[a + len(marks[1]):r], text[q + len(marks[0]):a]
+
+    def tool_rounds(self, prompt: list[int]) -> int | None:
+        """The agent loop's rounds in a rendered prompt (hermes_tools.prompt_tool_rounds), decoding only as much
+        of its end as holds the last question; None where the template's turns cannot be told apart."""
+        if self.turn_headers is None:
+            return None
+        n = 4096
+        while True:
+            text = self.tokenizer.decode(prompt[-n:], skip_special_tokens=False)
+            rounds = prompt_tool_rounds(text, *self.turn_headers, whole=n >= len(prompt))
+            if rounds is not None:
+                return rounds
+            n *= 4
 
     def render_prompt(self, prompt: str) -> list[int]:
         # /v1/completions: the tokenizer's own default for special tokens (BOS where it has one).

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+TOOL_RESPONSE_OPEN = "<tool_response>"     # how hermes templates open a tool result inside a user turn
 _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 _NAME = re.compile(r'"name"\s*:\s*"(?:[^"\\]|\\.)*"')
 Mode = Literal["auto", "required", "named"]
@@ -90,7 +91,8 @@ def tool_spec(tools: list[dict[str, Any]] | None, tool_choice: Any, *, auto_enab
 def tool_rounds(messages: list[dict[str, Any]]) -> int:
     """Rounds of tool calls since the user last spoke: assistant messages with `tool_calls` after the last user
     message (an agent loop's steps). The simulated model stops calling tools after `--tool-call-rounds` of them,
-    so an agent harness's loop ends in a text answer, as a real model's does once it has what it needs."""
+    so an agent harness's loop ends in a text answer, as a real model's does once it has what it needs. The
+    count over the request's messages, where the prompt's turns cannot be told apart (`prompt_tool_rounds`)."""
     rounds = 0
     for message in reversed(messages):
         role = message.get("role") if isinstance(message, dict) else None
@@ -99,6 +101,19 @@ def tool_rounds(messages: list[dict[str, Any]]) -> int:
         if role == "assistant" and message.get("tool_calls"):
             rounds += 1
     return rounds
+
+
+def prompt_tool_rounds(text: str, user_header: str, assistant_header: str, *, whole: bool) -> int | None:
+    """`tool_rounds` read from the rendered prompt, which is what the model sees (a gateway may send only the last
+    message beside vLLM's pinned `prompt_token_ids`): assistant turns that wrote a call since the last user turn
+    that is not a tool result. None when `text` holds no such user turn, unless it is the `whole` prompt (then
+    the question opened it, with no turn before its header)."""
+    turns = text.split(user_header)
+    start = next((i for i in range(len(turns) - 1, 0, -1) if not turns[i].startswith(TOOL_RESPONSE_OPEN)), None)
+    if start is None and not whole:
+        return None
+    after = user_header.join(turns[start or 0:])
+    return sum(TOOL_CALL_OPEN in reply.split(user_header)[0] for reply in after.split(assistant_header)[1:])
 
 
 def _function(tool: Any) -> Function:

@@ -79,9 +79,14 @@ class Serving:
                           _wanted(body.logprobs, body.top_logprobs, chat=True))
         call.tools = call.engine_req.tools = tools
         limit = self.settings.tool_call_rounds
-        if tools is not None and tools.mode == "auto" and limit and tool_rounds(body.messages) >= limit:
+        if tools is not None and tools.mode == "auto" and limit and self._rounds(body, prompt) >= limit:
             call.engine_req.tools = None      # the model answers in text; the serving still parses its answer
         return call
+
+    def _rounds(self, body: wire.ChatRequest, prompt: list[int]) -> int:
+        """Rounds of tool calls in what the model sees: the prompt, whose messages may be only the last one."""
+        rounds = self.renderer.tool_rounds(prompt)
+        return tool_rounds(body.messages) if rounds is None else rounds
 
     @property
     def _auto_tools(self) -> bool:

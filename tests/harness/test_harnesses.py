@@ -19,8 +19,12 @@ SECOND = "Thanks. Now check the weather in Zürich for me."
 THIRD = "And what should I pack for it?"
 
 
-def _ok(done) -> None:
-    assert done.returncode == 0, f"exit {done.returncode}\nstdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
+def _ok(done, gateway: Recorder) -> None:
+    """The harness exited 0; else its output and every request it made, with what the gateway did."""
+    calls = "\n".join(f"{e} messages={len(e.body.get('messages') or e.body.get('input') or ())}"
+                      for e in gateway.exchanges)
+    assert done.returncode == 0, (f"exit {done.returncode}\nstdout:\n{done.stdout[-3000:]}\n"
+                                  f"stderr:\n{done.stderr[-3000:]}\nrequests:\n{calls}")
 
 
 def test_claude_code(harness_bin: Path, gateway: Recorder, tmp_path: Path) -> None:
@@ -33,7 +37,7 @@ def test_claude_code(harness_bin: Path, gateway: Recorder, tmp_path: Path) -> No
     for extra in ([FIRST], [SECOND, "--continue"], [THIRD, "--continue"]):
         done = run(["claude", "-p", *extra, "--output-format", "json", "--max-turns", "8"],
                    cwd=tmp_path / "work", env=env)
-        _ok(done)
+        _ok(done, gateway)
         assert not json.loads(done.stdout)["is_error"], done.stdout
     assert_answered_and_reused(gateway)
 
@@ -64,10 +68,10 @@ def test_codex_cli(harness_bin: Path, gateway: Recorder, tmp_path: Path) -> None
     codex_home.mkdir()
     (codex_home / "config.toml").write_text(CODEX_CONFIG.format(url=gateway.url))
     env = base_env(tmp_path / "home", harness_bin) | {"CODEX_HOME": str(codex_home), "PDGW_API_KEY": "unused"}
-    _ok(run(["codex", "exec", "--skip-git-repo-check", FIRST], cwd=tmp_path / "work", env=env))
+    _ok(run(["codex", "exec", "--skip-git-repo-check", FIRST], cwd=tmp_path / "work", env=env), gateway)
     for question in (SECOND, THIRD):
         _ok(run(["codex", "exec", "--skip-git-repo-check", "resume", "--last", question], cwd=tmp_path / "work",
-                env=env))
+                env=env), gateway)
     assert_answered_and_reused(gateway)
 
 
@@ -89,9 +93,9 @@ def test_opencode(harness_bin: Path, gateway: Recorder, tmp_path: Path) -> None:
         "OPENCODE_DISABLE_MODELS_FETCH": "1", "OPENCODE_DISABLE_AUTOUPDATE": "1",
         "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1", "OPENCODE_DISABLE_LSP_DOWNLOAD": "1", "OPENCODE_DISABLE_SHARE": "1",
         "npm_config_offline": "true"}    # its config folder's `@opencode-ai/plugin` install: from the cache only
-    _ok(run(["opencode", "run", FIRST], cwd=tmp_path / "work", env=env))
+    _ok(run(["opencode", "run", FIRST], cwd=tmp_path / "work", env=env), gateway)
     for question in (SECOND, THIRD):
-        _ok(run(["opencode", "run", "--continue", question], cwd=tmp_path / "work", env=env))
+        _ok(run(["opencode", "run", "--continue", question], cwd=tmp_path / "work", env=env), gateway)
     assert_answered_and_reused(gateway)
 
 

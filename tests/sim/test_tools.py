@@ -215,3 +215,23 @@ def test_an_agent_loop_ends_after_the_rounds_limit(sims: Sims, fleet: Fleet) -> 
     assert frames[-1]["choices"][0]["finish_reason"] == "stop"
     messages.append(user("and now?"))
     assert sims.chat(c, messages, tools=TOOLS)["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.integration
+def test_the_rounds_are_counted_in_the_pinned_prompt(sims: Sims, fleet: Fleet) -> None:
+    """A gateway sends only the last message beside vLLM 0.32's pinned prompt ids: the model answers what the
+    ids hold, so the rounds limit counts the calls there (counted in the one message sent, the loop never
+    ended: Claude Code's harness run, 9 requests of calls)."""
+    [c] = fleet("c_agent")
+    messages = [user("find the weather, then search")]
+    for _ in range(2):
+        answer = sims.chat(c, messages, tools=TOOLS)["choices"][0]["message"]
+        messages += [answer | {"role": "assistant"}, *({"role": "tool", "tool_call_id": tc["id"], "content": "{}"}
+                                                       for tc in answer["tool_calls"])]
+    ids = sims.post(c, "/tokenize", {"model": "demo", "messages": messages, "tools": TOOLS}).json()["tokens"]
+    stub = {"messages": messages[-1:], "tools": TOOLS, "kv_transfer_params": {"prompt_token_ids": ids}}
+    assert sims.raw_chat(c, stub).json()["choices"][0]["finish_reason"] == "stop"
+    fresh = messages + [{"role": "assistant", "content": "done"}, user("and now?")]
+    ids = sims.post(c, "/tokenize", {"model": "demo", "messages": fresh, "tools": TOOLS}).json()["tokens"]
+    stub = {"messages": fresh[-1:], "tools": TOOLS, "kv_transfer_params": {"prompt_token_ids": ids}}
+    assert sims.raw_chat(c, stub).json()["choices"][0]["finish_reason"] == "tool_calls"
