@@ -22,7 +22,7 @@ def renderer(request: pytest.FixtureRequest) -> Renderer:
 def _step(kind: str, n: int, size: int) -> list[dict[str, Any]]:
     if kind == "calls":
         calls = [{"id": f"c{n}{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-                 for i in range(size % 3 + 1)]
+                 for i in range(size % 3 + 1)]         # 1, 5, 3000 words: 2, 3, 1 calls side by side
         return [{"role": "assistant", "content": None, "tool_calls": calls},
                 *({"role": "tool", "tool_call_id": c["id"], "content": "word " * size} for c in calls)]
     if kind == "text":
