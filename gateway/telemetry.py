@@ -347,7 +347,8 @@ class KVEventsState:
                                   "complete, partial (events lost: positives only) or unknown",
                                   labels=["pool", "engine", "knowledge"])
         gaps = CounterMetricFamily("pdgw_kv_events_gaps", "Times a batch's sequence number showed events lost "
-                                   "(a gap, or an engine restarted: its numbers from 0 again)", labels=["pool", "engine"])
+                                   "(a gap, or an engine restarted: its numbers from 0 again)",
+                                   labels=["pool", "engine"])
         for pool, engine, count, knowledge, lost in rows:
             blocks.add_metric([pool, engine], float(count))
             for state in self.KNOWLEDGE:

@@ -112,8 +112,9 @@ def prompt_tool_rounds(text: str, user_header: str, assistant_header: str, *, wh
     start = next((i for i in range(len(turns) - 1, 0, -1) if not turns[i].startswith(TOOL_RESPONSE_OPEN)), None)
     if start is None and not whole:
         return None
-    after = user_header.join(turns[start or 0:])
-    return sum(TOOL_CALL_OPEN in reply.split(user_header)[0] for reply in after.split(assistant_header)[1:])
+    # each user turn runs to the next one; what follows an assistant header in it is that assistant's reply
+    replies = (reply for turn in turns[start or 0:] for reply in turn.split(assistant_header)[1:])
+    return sum(TOOL_CALL_OPEN in reply for reply in replies)
 
 
 def _function(tool: Any) -> Function:

@@ -183,8 +183,8 @@ class PushSender:
         slots = [list(engine.pool.blocks[i].slots) for i in block_ids[-n:]]
         # The WRITE on the wire, driven by P, with a pull read's fixed part: on the H200 push saved only 6-15 ms
         # over pull at 1.3k-4.3k tokens, of D's 60-ms hand-over (bench/GPU-RESULTS.md, "Push vs pull").
-        if (per_block := engine.settings.transfer_ms_per_block) or engine.settings.transfer_ms_per_read:
-            await asyncio.sleep((engine.settings.transfer_ms_per_read + n * per_block) / 1000)
+        if wire_ms := engine.settings.transfer_ms_per_read + n * engine.settings.transfer_ms_per_block:
+            await asyncio.sleep(wire_ms / 1000)
         body = Write(reg.request_id, reg.decode_engine_id, engine.settings.block_size, slots)
         try:
             await engine.kv.post(f"http://{reg.decode_host}:{reg.decode_port}/sim/kv/push-write", body)

@@ -1,8 +1,8 @@
 """`--decode-handover-limit` (turns/run/admission.py `Handovers`, taken in turns/run/decode_leg.py): the P path's
 D legs waiting for their first token on one D, at most the limit at once, the rest sent in arrival order, each
-slot freed at the first token or when the leg ends. On the H200 a burst's reads of P's KV on D progressed together and finished together (the
-chat c128 burst's 128 first tokens within 60 ms, 0.8 s after P's last answer): in order, the same total work
-gives the early turns their first token early."""
+slot freed at the first token or when the leg ends. On the H200 a burst's reads of P's KV on D progressed together
+and finished together (the chat c128 burst's 128 first tokens within 60 ms, 0.8 s after P's last answer): in
+order, the same total work gives the early turns their first token early."""
 
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ from tests.vllm.conftest import HANDLE_TTL_MARGIN_S
 from tests.vllm.engines import PIN_TTL_S, SERVED_MODEL, Engine, wait_healthy
 from tests.vllm.measure_history import pd_and_baseline
 
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--turns", type=int, default=8)
